@@ -1,0 +1,148 @@
+"""Ragged attention over a paged KV cache.
+
+A step's batch is a flat list of T query tokens from several sequences: prefill chunks, one-token
+decodes, and k+1-token verification windows side by side. The KV cache of a layer is one flat tensor
+of slots ``[num_slots, kv_heads, head_dim]``; a sequence's context is whatever slots its block table
+names, so paging costs one gather per layer.
+
+Sequences are packed into *groups*: many short queries (decode / verification) are padded into one
+``[B, Q]`` batch and attended in a single SDPA call, while each long prefill chunk gets a group of its
+own, so a 512-token chunk never pads 15 decodes to 512 rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttnGroup:
+    """Sequences attended together in one padded SDPA call."""
+
+    token_index: torch.Tensor  # [B, Q] int64: row in the flat batch of each query (padding repeats a valid row)
+    query_valid: torch.Tensor  # [B, Q] bool
+    kv_slots: torch.Tensor  # [B, L] int64: cache slots of the context, positions 0..L_b-1 (padding -> slot 0)
+    mask: torch.Tensor  # [B, 1, Q, L] bool: True where the query may attend the key
+    query_positions: torch.Tensor  # [B, Q] int64
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for_window(self, window: int | None) -> torch.Tensor:
+        """The mask restricted to a sliding window (key position > query position - window)."""
+        if window is None:
+            return self.mask
+        if window not in self._window_masks:
+            key_pos = torch.arange(self.mask.shape[-1])
+            near = key_pos[None, None, :] > (self.query_positions[:, :, None] - window)
+            masked = self.mask & near[:, None]
+            # a padded query row must keep one visible key, or SDPA returns NaN for it
+            masked[..., 0] |= ~masked.any(-1)
+            self._window_masks[window] = masked
+        return self._window_masks[window]
+
+    def to(self, device: torch.device) -> "AttnGroup":
+        return AttnGroup(*(t.to(device) for t in (self.token_index, self.query_valid, self.kv_slots, self.mask,
+                                                   self.query_positions)))
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one step, shared by all layers."""
+
+    slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
+    groups: list[AttnGroup]
+    num_tokens: int
+
+    def to(self, device: torch.device) -> "AttentionMetadata":
+        return AttentionMetadata(self.slot_mapping.to(device), [g.to(device) for g in self.groups], self.num_tokens)
+
+
+def build_metadata(
+    query_lens: list[int],
+    context_lens: list[int],
+    slot_tables: list[torch.Tensor],
+    tree_masks: list[torch.Tensor | None] | None = None,
+    max_group_query: int = 16,
+) -> AttentionMetadata:
+    """Describe a ragged step.
+
+    query_lens[i] tokens of sequence i are computed this step; they are its last ones, so its context after
+    the step has context_lens[i] tokens (positions 0..context_lens[i]-1). slot_tables[i] holds the cache
+    slot of every one of those positions. tree_masks[i], when given, is a [q, q] bool matrix that replaces
+    the causal mask among the sequence's own new tokens (token trees).
+    """
+    starts: list[int] = []
+    offset = 0
+    for q in query_lens:
+        starts.append(offset)
+        offset += q
+    slot_mapping = torch.cat([slot_tables[i][c - q:c] for i, (q, c) in enumerate(zip(query_lens, context_lens))])
+    trees = tree_masks or [None] * len(query_lens)
+
+    short = [i for i, q in enumerate(query_lens) if q <= max_group_query]
+    long = [i for i, q in enumerate(query_lens) if q > max_group_query]
+    groups = [_group(idx, query_lens, context_lens, starts, slot_tables, trees) for idx in ([short] if short else [])]
+    groups += [_group([i], query_lens, context_lens, starts, slot_tables, trees) for i in long]
+    return AttentionMetadata(slot_mapping=slot_mapping, groups=groups, num_tokens=offset)
+
+
+def _group(
+    seqs: list[int],
+    query_lens: list[int],
+    context_lens: list[int],
+    starts: list[int],
+    slot_tables: list[torch.Tensor],
+    trees: list[torch.Tensor | None],
+) -> AttnGroup:
+    num = len(seqs)
+    q_max = max(query_lens[i] for i in seqs)
+    l_max = max(context_lens[i] for i in seqs)
+    q_lens = torch.tensor([query_lens[i] for i in seqs])
+    c_lens = torch.tensor([context_lens[i] for i in seqs])
+    q_idx = torch.arange(q_max)
+    query_valid = q_idx[None, :] < q_lens[:, None]
+    # Query j of a sequence sits at position context_len - query_len + j.
+    query_positions = (c_lens - q_lens)[:, None] + q_idx[None, :]
+    token_index = torch.tensor([starts[i] for i in seqs])[:, None] + torch.minimum(q_idx[None, :], q_lens[:, None] - 1)
+    kv_slots = torch.zeros(num, l_max, dtype=torch.long)
+    for row, i in enumerate(seqs):
+        kv_slots[row, : context_lens[i]] = slot_tables[i][: context_lens[i]]
+    key_pos = torch.arange(l_max)
+    mask = key_pos[None, None, :] <= query_positions[:, :, None]
+    for row, i in enumerate(seqs):
+        if trees[i] is not None:
+            q, c = query_lens[i], context_lens[i]
+            mask[row, :q, c - q:c] = trees[i]
+    mask &= query_valid[:, :, None]
+    mask[..., 0] |= ~query_valid  # padded rows attend position 0 so SDPA stays finite; their output is dropped
+    return AttnGroup(token_index, query_valid, kv_slots, mask[:, None], query_positions)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """q: [T, Hq, D], k/v: [T, Hkv, D] for this step's tokens. Writes k/v into the cache, returns [T, Hq*D]."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    out = q.new_empty(q.shape[0], num_heads * head_dim)
+    for g in meta.groups:
+        qg = q[g.token_index].transpose(1, 2)  # [B, Hq, Q, D]
+        kg = k_cache[g.kv_slots].transpose(1, 2)  # [B, Hkv, L, D]
+        vg = v_cache[g.kv_slots].transpose(1, 2)
+        og = F.scaled_dot_product_attention(
+            qg, kg, vg, attn_mask=g.mask_for_window(sliding_window), scale=scale,
+            enable_gqa=kg.shape[1] != num_heads,
+        )
+        og = og.transpose(1, 2).reshape(*g.token_index.shape, num_heads * head_dim)
+        out[g.token_index[g.query_valid]] = og[g.query_valid]
+    return out

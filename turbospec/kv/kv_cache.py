@@ -1,0 +1,29 @@
+"""The paged KV tensors: per layer, one flat tensor of slots for keys and one for values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models.model_config import ModelConfig
+
+
+@dataclass
+class KVCache:
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (keys, values), each [num_slots, kv_heads, head_dim]
+    num_blocks: int
+    block_size: int
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        return 2 * cfg.num_layers * block_size * cfg.kv_size * torch.tensor([], dtype=dtype).element_size()
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: str | torch.device) -> "KVCache":
+        # Zeros, not empty: padded attention rows read slot 0, and masked garbage could be NaN (NaN * 0 = NaN).
+        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                  for _ in range(cfg.num_layers)]
+        return cls(layers, num_blocks, block_size)

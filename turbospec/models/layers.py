@@ -1,0 +1,85 @@
+"""Building blocks shared by the model families: RMSNorm, rotary embeddings, fused weight loading."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 (as HF does), with Gemma's (1 + w) variant behind a flag."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim) - offset, requires_grad=False)
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:  # Gemma multiplies in float32 before casting back
+            return (xf * (self.offset + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
+    if scaling:  # Llama-3 frequency-dependent scaling
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv.float()
+
+
+class Rotary(nn.Module):
+    """Neox-style rotary embedding (two halves), with a cos/sin table looked up by position.
+
+    The tables are built lazily on the device of the first input, so a model can be constructed on the
+    meta device (no memory, no init cost) and materialised later.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self.max_positions = max_positions
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._tables is None or self._tables[0].device != device:
+            pos = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
+            freqs = torch.outer(pos, self.inv_freq.to("cpu"))
+            self._tables = (freqs.cos().to(device), freqs.sin().to(device))
+        return self._tables
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, D]; rotates in the input dtype like HF, with float32 tables cast down."""
+        cos_t, sin_t = self.tables(x.device)
+        cos = cos_t[positions].to(x.dtype)[:, None, :]
+        sin = sin_t[positions].to(x.dtype)[:, None, :]
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def fuse_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts, dim=0)
+
+
+def dummy_init_(module: nn.Module, seed: int = 0) -> None:
+    """Random weights with a scale that keeps activations finite through many layers (timing runs only)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for sub in module.modules():
+            if isinstance(sub, RMSNorm):
+                sub.weight.fill_(1.0 - sub.offset)
+            else:
+                for p in sub.parameters(recurse=False):
+                    p.copy_((torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype))
