@@ -244,6 +244,7 @@ def test_errors() -> None:
 # Shared prompt heads so that random prompts actually collide on full blocks.
 PREFIXES = [[], [0, 0, 0, 0], [0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1, 2, 2, 1], [1, 2, 1, 2, 0, 0, 0, 0, 2]]
 
+
 class BlockManagerMachine(RuleBasedStateMachine):
     """Random scheduler traffic against a shadow model of the KV cache contents."""
 
