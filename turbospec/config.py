@@ -24,6 +24,8 @@ class EngineConfig:
     num_threads: int | None = None
     device: str = "cpu"
     seed: int = 0
+    # None, a SpeculativeConfig, a dict, or its JSON text (see SpeculativeConfig)
+    speculative_config: "SpeculativeConfig | dict | str | None" = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:
@@ -39,6 +41,7 @@ class EngineConfig:
             _positive("num_threads", self.num_threads)
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"unknown device {self.device!r}: expected 'cpu' or 'cuda[:N]'")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def threads(self) -> int:
@@ -48,3 +51,52 @@ class EngineConfig:
 def _positive(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+SPEC_METHODS = ("ngram", "draft")
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM-shaped speculative decoding options (``LLM(..., speculative_config={...})``)."""
+
+    method: str
+    num_speculative_tokens: int = 4
+    model: str | None = None  # the draft model, for method "draft"
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}: expected one of {', '.join(SPEC_METHODS)}")
+        _positive("num_speculative_tokens", self.num_speculative_tokens)
+        if self.method == "draft" and not self.model:
+            raise ValueError("speculative method 'draft' needs a draft model: add \"model\": \"<name or path>\"")
+        if self.method == "ngram":
+            _positive("prompt_lookup_min", self.prompt_lookup_min)
+            _positive("prompt_lookup_max", self.prompt_lookup_max)
+            if self.prompt_lookup_min > self.prompt_lookup_max:
+                raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                                 f"({self.prompt_lookup_max})")
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """Accept a config, a dict, or the JSON the CLI takes; unknown keys are refused, not ignored."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative config is not valid JSON: {exc}") from exc
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative config must be a JSON object, got {type(value).__name__}")
+        if "method" not in value:
+            raise ValueError(f"speculative config needs \"method\" (one of {', '.join(SPEC_METHODS)})")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config key(s) {unknown}: expected some of {sorted(known)}")
+        return cls(**value)

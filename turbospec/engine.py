@@ -22,6 +22,9 @@ from .runner import ModelOutput, ModelRunner
 from .sampler import SamplingBatch, compute_logprobs, make_generator, processed_probs, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
+from .spec.factory import build_proposer
+from .spec.stats import SpecDecodingStats
+from .spec.verifier import verify
 
 log = logging.getLogger("turbospec.engine")
 
@@ -55,6 +58,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded.model, self.kv, self.blocks, config.device)
         self.requests: dict[str, Request] = {}
         self.last_step: StepStats | None = None
+        self.spec = config.speculative_config
+        self.proposer = build_proposer(self.spec, self, progress) if self.spec else None
+        self.spec_stats = SpecDecodingStats()
 
     def _num_blocks(self) -> int:
         c = self.config
@@ -118,6 +124,7 @@ class LLMEngine:
         if req is None or req.is_finished:
             return None
         self.scheduler.finish(req, "abort")
+        self._release(req)
         return self._output(req, [], "")
 
     def has_unfinished_requests(self) -> bool:
@@ -127,7 +134,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self._spec_budget if self.proposer else None)
+        if self.proposer:
+            self._propose(sched)
         if sched.is_empty:
             self.last_step = StepStats(0, 0, len(sched.preempted), time.perf_counter() - start)
             return []
@@ -137,29 +146,74 @@ class LLMEngine:
                                    time.perf_counter() - start)
         return outputs
 
+    def _spec_budget(self, decoding: list[Request]) -> dict[str, int]:
+        assert self.spec is not None
+        return {r.request_id: self.spec.num_speculative_tokens for r in decoding}
+
+    def _propose(self, sched: SchedulerOutput) -> None:
+        assert self.proposer is not None
+        spec = [s for s in sched.scheduled if s.num_spec_tokens > 0]
+        for s in sched.scheduled:
+            s.request.spec_token_ids = []
+        if not spec:
+            return
+        drafts = self.proposer.propose([s.request for s in spec], [s.num_spec_tokens for s in spec])
+        for s, d in zip(spec, drafts):
+            s.request.spec_token_ids = d.tokens
+            s.request.spec_draft_probs = d.probs
+
     def _update(self, sched: SchedulerOutput, out: ModelOutput) -> list[RequestOutput]:
-        new_tokens = self._sample(sched, out)
+        verified = self._verify(sched, out)
         outputs: list[RequestOutput] = []
         now = time.monotonic()
         for s in sched.scheduled:
-            self.scheduler.commit(s)
-            tokens = new_tokens.get(s.request.request_id)
-            if tokens:
-                outputs.append(self._append(s.request, tokens, now))
+            req = s.request
+            result = verified.get(req.request_id)
+            num_drafts = len(req.spec_token_ids)
+            accepted = result[1] if result else 0
+            if result:  # append first: committing hashes the accepted tokens into the prefix cache
+                outputs.append(self._append(req, result[0], now))
+            self.scheduler.commit(s, accepted)
+            if self.proposer and num_drafts:
+                self.spec_stats.observe(num_drafts, accepted)
+                if not req.is_finished:
+                    self.proposer.on_verified(req, accepted)
+            req.spec_token_ids, req.spec_draft_probs = [], None
         return outputs
 
-    def _sample(self, sched: SchedulerOutput, out: ModelOutput) -> dict[str, list[tuple[int, dict[int, Logprob] | None]]]:
-        """One token per request that reached the end of its known tokens."""
-        picked = [(s.request, out.row_start[i]) for i, s in enumerate(sched.scheduled) if out.row_start[i] >= 0]
+    def _verify(self, sched: SchedulerOutput, out: ModelOutput
+                ) -> dict[str, tuple[list[tuple[int, dict[int, Logprob] | None]], int]]:
+        """Sample or verify every request that reached the end of its known tokens.
+
+        A request with k drafts owns k + 1 logit rows; with k = 0 this is plain sampling of one row."""
+        picked = [(s.request, out.row_start[i], out.num_rows[i])
+                  for i, s in enumerate(sched.scheduled) if out.row_start[i] >= 0]
         if not picked:
             return {}
-        reqs = [r for r, _ in picked]
-        logits = out.logits[torch.tensor([row for _, row in picked], device=out.logits.device)]
-        batch = SamplingBatch.build([r.params for r in reqs], [r.generator for r in reqs], logits.shape[-1],
-                                    device=logits.device)
-        tokens = sample(processed_probs(logits, batch), batch)
-        logprobs = self._logprobs(reqs, logits, tokens)
-        return {r.request_id: [(tok, lp)] for r, tok, lp in zip(reqs, tokens.tolist(), logprobs)}
+        row_params = [r.params for r, _, n in picked for _ in range(n)]
+        row_gens = [r.generator for r, _, n in picked for _ in range(n)]
+        batch = SamplingBatch.build(row_params, row_gens, out.logits.shape[-1], device=out.logits.device)
+        probs = processed_probs(out.logits, batch)
+        reqs = [r for r, _, _ in picked]
+        if all(n == 1 for _, _, n in picked):  # nobody speculated: plain sampling, one row each
+            emitted = [[t] for t in sample(probs, batch).tolist()]
+            accepted = [0] * len(reqs)
+        else:
+            result = verify(probs, [row for _, row, _ in picked], [r.spec_token_ids[: n - 1] for r, _, n in picked],
+                            [None if r.spec_draft_probs is None else r.spec_draft_probs[: n - 1] for r, _, n in picked],
+                            [r.generator for r in reqs])
+            emitted, accepted = result.tokens, result.num_accepted
+        rows = [row + j for (_, row, _), toks in zip(picked, emitted) for j in range(len(toks))]
+        flat = [t for toks in emitted for t in toks]
+        row_reqs = [r for r, toks in zip(reqs, emitted) for _ in toks]
+        logprobs = self._logprobs(row_reqs, out.logits[torch.tensor(rows, device=out.logits.device)],
+                                  torch.tensor(flat, device=out.logits.device))
+        result_map: dict[str, tuple[list[tuple[int, dict[int, Logprob] | None]], int]] = {}
+        pos = 0
+        for req, toks, acc in zip(reqs, emitted, accepted):
+            result_map[req.request_id] = (list(zip(toks, logprobs[pos: pos + len(toks)])), acc)
+            pos += len(toks)
+        return result_map
 
     @staticmethod
     def _logprobs(reqs: list[Request], logits: torch.Tensor, tokens: torch.Tensor) -> list[dict[int, Logprob] | None]:
@@ -198,8 +252,13 @@ class LLMEngine:
         delta = req.detokenizer.add([t for t in added if t not in req.eos_token_ids])
         delta = self._check_stop_strings(req, delta)
         if req.is_finished:
-            self.requests.pop(req.request_id, None)
+            self._release(req)
         return self._output(req, added, delta)
+
+    def _release(self, req: Request) -> None:
+        self.requests.pop(req.request_id, None)
+        if self.proposer:
+            self.proposer.free(req.request_id)
 
     def _check_stop_token(self, req: Request, tok: int) -> bool:
         p = req.params

@@ -43,6 +43,7 @@ class Request:
     first_token_time: float | None = None
     # Draft tokens proposed for this request, verified by the next step (speculative decoding).
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), V] when the drafts were sampled
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -36,8 +36,19 @@ class ModelRunner:
         table = torch.tensor(self.blocks.block_table(request_id), dtype=torch.long)
         return (table[:, None] * self.kv.block_size + self._offsets).reshape(-1)[:length]
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        """One forward over everything scheduled: chunks, decodes, and known tokens followed by drafts."""
+        items = []
+        for s in sched.scheduled:
+            req = s.request
+            drafts = req.spec_token_ids[: s.num_spec_tokens] if s.samples else []
+            tokens = req.all_token_ids[s.start: s.start + s.num_new_tokens] + drafts
+            items.append(SeqInput(req.request_id, tokens, s.start, 1 + len(drafts) if s.samples else 0))
+        return self.run(items)
+
+    @torch.inference_mode()
+    def run(self, items: list["SeqInput"]) -> ModelOutput:
+        """Compute items' tokens (each continuing its sequence at `start`) and return their last rows."""
         ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -46,25 +57,17 @@ class ModelRunner:
         sample_rows: list[int] = []
         row_start: list[int] = []
         num_rows: list[int] = []
-        for s in sched.scheduled:
-            req = s.request
-            drafts = req.spec_token_ids[: s.num_spec_tokens] if s.samples else []
-            tokens = req.all_token_ids[s.start: s.start + s.num_new_tokens] + drafts
-            end = s.start + len(tokens)
+        for item in items:
+            end = item.start + len(item.tokens)
             base = len(ids)
-            ids += tokens
-            positions += range(s.start, end)
-            query_lens.append(len(tokens))
+            ids += item.tokens
+            positions += range(item.start, end)
+            query_lens.append(len(item.tokens))
             context_lens.append(end)
-            tables.append(self.slot_table(req.request_id, end))
-            if s.samples:
-                rows = 1 + len(drafts)
-                row_start.append(len(sample_rows))
-                num_rows.append(rows)
-                sample_rows += range(base + len(tokens) - rows, base + len(tokens))
-            else:
-                row_start.append(-1)
-                num_rows.append(0)
+            tables.append(self.slot_table(item.seq_id, end))
+            row_start.append(len(sample_rows) if item.num_rows else -1)
+            num_rows.append(item.num_rows)
+            sample_rows += range(base + len(item.tokens) - item.num_rows, base + len(item.tokens))
         meta = build_metadata(query_lens, context_lens, tables)
         meta = meta.to(self.device) if self.device.type != "cpu" else meta
         hidden = self.model(
@@ -72,3 +75,11 @@ class ModelRunner:
         )
         hidden = hidden[torch.tensor(sample_rows, device=self.device, dtype=torch.long)]
         return ModelOutput(self.model.compute_logits(hidden), hidden, row_start, num_rows)
+
+
+@dataclass
+class SeqInput:
+    seq_id: str
+    tokens: list[int]  # computed this pass, at positions start .. start + len - 1
+    start: int
+    num_rows: int  # how many of the last tokens' logits to return (0: none)

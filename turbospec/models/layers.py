@@ -52,6 +52,7 @@ class Rotary(nn.Module):
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
         self.max_positions = max_positions
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._step: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._tables is None or self._tables[0].device != device:
@@ -60,11 +61,17 @@ class Rotary(nn.Module):
             self._tables = (freqs.cos().to(device), freqs.sin().to(device))
         return self._tables
 
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # Every layer of a forward passes the same positions tensor: look the rows up once per step.
+        # Holding a reference to that tensor makes the identity check safe.
+        if self._step is None or self._step[0] is not positions or self._step[1] is not dtype:
+            cos_t, sin_t = self.tables(positions.device)
+            self._step = (positions, dtype, cos_t[positions].to(dtype)[:, None, :], sin_t[positions].to(dtype)[:, None, :])
+        return self._step[2], self._step[3]
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, H, D]; rotates in the input dtype like HF, with float32 tables cast down."""
-        cos_t, sin_t = self.tables(x.device)
-        cos = cos_t[positions].to(x.dtype)[:, None, :]
-        sin = sin_t[positions].to(x.dtype)[:, None, :]
+        cos, sin = self.lookup(positions, x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 

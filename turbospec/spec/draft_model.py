@@ -1,0 +1,115 @@
+"""A smaller model of the same tokenizer drafts for the target, with its own paged KV cache.
+
+The draft's KV is kept in step with the target's tokens. ``computed[r]`` counts the tokens of request r
+whose draft KV is valid. Proposing k tokens feeds the tokens the draft has not seen, then each new draft
+token but the last. After verification, only the accepted drafts keep their KV, so ``computed`` becomes
+``old_len + min(accepted, k - 1)``. Two cases follow:
+- after a partial acceptance, the next step feeds just the correction token;
+- after a full acceptance, the draft never saw its last token, so the next step feeds two tokens: that last
+  draft and the bonus (TurboSpec Fig. 8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kv.block_manager import BlockManager
+from ..kv.kv_cache import KVCache
+from ..models.loader import LoadedModel
+from ..models.tokenizer import Tokenizer
+from ..request import Request
+from ..runner import ModelRunner, SeqInput
+from ..sampler import SamplingBatch, processed_probs, sample
+from .proposer import Draft, Proposer
+
+_PROBE = "def greet(name):\n    return f'Hello, {name}!'  # naïve café ✓ 12345"
+
+
+def check_same_vocabulary(target: Tokenizer, draft: Tokenizer, draft_name: str) -> None:
+    """Refuse a draft whose token ids mean other strings: its proposals would be nonsense to the target."""
+    if target.vocab_size != draft.vocab_size or target.encode(_PROBE) != draft.encode(_PROBE):
+        raise ValueError(
+            f"draft model {draft_name!r} has a different vocabulary from the target "
+            f"({draft.vocab_size} vs {target.vocab_size} tokens): a draft model must share the target's tokenizer"
+        )
+
+
+@dataclass
+class _Pending:
+    length: int  # tokens the request had when the draft was proposed
+    k: int
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: str) -> None:
+        self.model = loaded
+        self.kv = KVCache.allocate(loaded.config, num_blocks, block_size, dtype, device)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.runner = ModelRunner(loaded.model, self.kv, self.blocks, device)
+        self.computed: dict[str, int] = {}
+        self.pending: dict[str, _Pending] = {}
+
+    def _reserve(self, req: Request, k: int) -> bool:
+        """Slots for every known token plus k - 1 drafts; False when the draft's cache is full."""
+        rid = req.request_id
+        need = req.num_tokens + k - 1
+        if not self.blocks.has_seq(rid):
+            if not self.blocks.can_allocate(req.all_token_ids, 0):
+                return False
+            self.blocks.allocate(rid, req.all_token_ids, 0)
+            self.computed[rid] = 0
+        extra = need - self.blocks.num_slots(rid)
+        if extra > 0:
+            if not self.blocks.can_append(rid, extra):
+                return False
+            self.blocks.append_slots(rid, extra)
+        return True
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Draft]:
+        drafts = [Draft([]) for _ in requests]
+        active = [i for i, (r, k) in enumerate(zip(requests, num_tokens)) if k > 0 and self._reserve(r, k)]
+        q_rows: dict[int, list[torch.Tensor]] = {i: [] for i in active}
+        for step in range(max((num_tokens[i] for i in active), default=0)):
+            live = [i for i in active if num_tokens[i] > step]
+            items = []
+            for i in live:
+                req = requests[i]
+                if step == 0:  # catch up on everything the draft has not seen (usually 1 or 2 tokens)
+                    have = self.computed[req.request_id]
+                    items.append(SeqInput(req.request_id, req.all_token_ids[have:], have, 1))
+                else:
+                    items.append(SeqInput(req.request_id, [drafts[i].tokens[-1]], req.num_tokens + step - 1, 1))
+            logits = self.runner.run(items).logits
+            reqs = [requests[i] for i in live]
+            batch = SamplingBatch.build([r.params for r in reqs], [r.generator for r in reqs], logits.shape[-1],
+                                        device=logits.device)
+            probs = processed_probs(logits, batch)
+            for row, (i, tok) in enumerate(zip(live, sample(probs, batch).tolist())):
+                drafts[i].tokens.append(tok)
+                if requests[i].generator is not None:
+                    q_rows[i].append(probs[row])
+        for i in active:
+            req = requests[i]
+            self.computed[req.request_id] = req.num_tokens + num_tokens[i] - 1
+            self.pending[req.request_id] = _Pending(req.num_tokens, num_tokens[i])
+            if q_rows[i]:
+                drafts[i].probs = torch.stack(q_rows[i])
+        return drafts
+
+    def on_verified(self, request: Request, num_accepted: int) -> None:
+        rid = request.request_id
+        pending = self.pending.pop(rid, None)
+        if pending is None or not self.blocks.has_seq(rid):
+            return
+        self.computed[rid] = pending.length + min(num_accepted, pending.k - 1)
+        self.blocks.truncate(rid, self.computed[rid])
+
+    def free(self, request_id: str) -> None:
+        self.pending.pop(request_id, None)
+        self.computed.pop(request_id, None)
+        if self.blocks.has_seq(request_id):
+            self.blocks.free(request_id)

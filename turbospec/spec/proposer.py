@@ -1,0 +1,30 @@
+"""The one interface every proposer implements: draft up to k_i tokens for each of a set of requests."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from ..request import Request
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    # [len(tokens), V]: the distribution each token was sampled from. None for deterministic proposers
+    # (n-gram lookup, or greedy drafting): the verifier then treats q as one-hot at the token.
+    probs: torch.Tensor | None = None
+
+
+class Proposer(ABC):
+    @abstractmethod
+    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Draft]:
+        """Draft at most num_tokens[i] tokens for requests[i] (fewer, even none, is allowed)."""
+
+    def on_verified(self, request: Request, num_accepted: int) -> None:
+        """Called after the target verified this request's draft and committed num_accepted of its tokens."""
+
+    def free(self, request_id: str) -> None:
+        """The request finished or was aborted: drop any state kept for it."""

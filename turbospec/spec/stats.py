@@ -1,0 +1,59 @@
+"""Speculative decoding statistics, cumulative over the engine's life and per step (vLLM-like names)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class SpecDecodingStats:
+    num_drafts: int = 0  # request-steps that verified at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_draft_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        """One request's verification: num_draft proposed tokens, the first num_accepted of them accepted."""
+        if num_draft == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        grow = num_draft - len(self.num_draft_tokens_per_pos)
+        if grow > 0:
+            self.num_draft_tokens_per_pos += [0] * grow
+            self.num_accepted_tokens_per_pos += [0] * grow
+        for pos in range(num_draft):
+            self.num_draft_tokens_per_pos[pos] += 1
+            self.num_accepted_tokens_per_pos[pos] += pos < num_accepted
+
+    def merge(self, other: "SpecDecodingStats") -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        for pos, (d, a) in enumerate(zip(other.num_draft_tokens_per_pos, other.num_accepted_tokens_per_pos)):
+            if pos >= len(self.num_draft_tokens_per_pos):
+                self.num_draft_tokens_per_pos.append(0)
+                self.num_accepted_tokens_per_pos.append(0)
+            self.num_draft_tokens_per_pos[pos] += d
+            self.num_accepted_tokens_per_pos[pos] += a
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """tau: tokens emitted per verifying request-step, counting the bonus / correction token."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["acceptance_rate"] = self.acceptance_rate
+        out["mean_accepted_length"] = self.mean_accepted_length
+        out["acceptance_by_position"] = [
+            a / d if d else 0.0 for a, d in zip(self.num_accepted_tokens_per_pos, self.num_draft_tokens_per_pos)
+        ]
+        return out
