@@ -120,8 +120,6 @@ def test_stop_token_ids(llm: LLM) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="stop_token_ids: the stop token's text is kept in the output text; vLLM "
-                                       "drops it unless include_stop_str_in_output (engine._append/_output)")
 def test_stop_token_text_is_not_in_output(llm: LLM) -> None:
     prompt = "The capital of France is"
     free = llm.generate(prompt, greedy(12), use_tqdm=False)[0].outputs[0]

@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--num-threads", type=int, default=None)
+    gen.add_argument("--speculative-config", default=None,
+                     help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+                          '\'{"method": "draft", "model": "qwen2.5-coder-0.5b"}\'')
     gen.add_argument("--json", action="store_true", help="print {text, token_ids, prompt_token_ids, finish_reason}")
     return p
 
@@ -55,7 +58,7 @@ def _generate(args: argparse.Namespace) -> int:
         if not args.prompt:
             raise ValueError("--prompt is empty: give at least one character")
         llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, num_threads=args.num_threads,
-                  progress=not args.json)
+                  speculative_config=args.speculative_config, progress=not args.json)
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
         else:
@@ -68,6 +71,8 @@ def _generate(args: argparse.Namespace) -> int:
             "text": completion.text, "token_ids": completion.token_ids,
             "prompt_token_ids": out.prompt_token_ids, "finish_reason": completion.finish_reason,
         }
+        if llm.engine.proposer is not None:
+            result["stats"] = llm.spec_stats()
         if completion.logprobs is not None:
             result["logprobs"] = [{str(t): lp.logprob for t, lp in step.items()} for step in completion.logprobs]
         print(json.dumps(result))

@@ -249,11 +249,17 @@ class LLMEngine:
                 req.cumulative_logprob += lp[tok].logprob
             if self._check_stop_token(req, tok):
                 break
-        delta = req.detokenizer.add([t for t in added if t not in req.eos_token_ids])
+        delta = req.detokenizer.add(self._text_ids(req, added))
         delta = self._check_stop_strings(req, delta)
         if req.is_finished:
             self._release(req)
         return self._output(req, added, delta)
+
+    @staticmethod
+    def _text_ids(req: Request, ids: list[int]) -> list[int]:
+        """The ids whose text is shown: never EOS, and a stop token id only if the user asked for it (as vLLM)."""
+        stop_tok = req.stop_reason if isinstance(req.stop_reason, int) and not req.params.include_stop_str_in_output else None
+        return [t for t in ids if t not in req.eos_token_ids and t != stop_tok]
 
     def _release(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
@@ -297,8 +303,7 @@ class LLMEngine:
         text = req.detokenizer.text
         if req.is_finished and not isinstance(req.stop_reason, str):
             # the windowed decode can hold back an incomplete character at the very end; settle it now
-            full = self.tokenizer.decode(
-                [t for t in req.output_token_ids if t not in req.eos_token_ids], req.params.skip_special_tokens)
+            full = self.tokenizer.decode(self._text_ids(req, req.output_token_ids), req.params.skip_special_tokens)
             delta += full[len(text):] if full.startswith(text) else ""
             text = full
         completion = CompletionOutput(

@@ -21,7 +21,7 @@ class LLM:
 
     Engine options are EngineConfig's fields (``dtype``, ``max_model_len``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``block_size``, ``enable_prefix_caching``, ``kv_cache_memory_gib``,
-    ``num_threads``, ``device``, ``seed``).
+    ``num_threads``, ``device``, ``seed``, ``speculative_config``).
     """
 
     def __init__(self, model: str, progress: bool = True, **kwargs: Any) -> None:
@@ -35,6 +35,10 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def spec_stats(self) -> dict[str, Any]:
+        """Cumulative speculative decoding statistics (all zero when speculation is off)."""
+        return self.engine.spec_stats.as_dict()
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

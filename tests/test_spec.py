@@ -1,0 +1,150 @@
+"""Speculative decoding inside the engine: lossless greedy output, KV rollback, mixed batches, preemption,
+aborts, statistics and config validation. The verifier's exact distributions are tested in test_verifier."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from turbospec import LLM, SamplingParams
+from turbospec.config import SpeculativeConfig
+from turbospec.kv.kv_cache import KVCache
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Repeat after me: the cat sat on the mat. the cat sat on the mat. the cat",
+    "1, 2, 3, 4, 5,",
+    "Write a short story about a robot who learns to paint. It begins in a small workshop where",
+    "SELECT name, age FROM users WHERE age > 30 ORDER BY",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SELF_DRAFT = {"method": "draft", "model": MODEL, "num_speculative_tokens": 3}
+
+
+def _llm(**kw) -> LLM:
+    return LLM(MODEL, dtype="float32", num_threads=1, progress=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def plain() -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in _llm().generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def _agreement(outs, ref) -> float:
+    return sum(o.outputs[0].token_ids == r for o, r in zip(outs, ref)) / len(ref)
+
+
+def _assert_no_leaks(llm: LLM) -> None:
+    engine = llm.engine
+    assert engine.blocks.num_free_blocks == engine.kv.num_blocks
+    proposer_blocks = getattr(engine.proposer, "blocks", None)
+    if proposer_blocks is not None:
+        assert proposer_blocks.num_free_blocks == proposer_blocks.num_blocks
+        assert not engine.proposer.computed and not engine.proposer.pending
+
+
+@pytest.mark.parametrize("config", [NGRAM, SELF_DRAFT], ids=["ngram", "draft"])
+def test_greedy_speculation_reproduces_plain_decoding(config, plain):
+    llm = _llm(speculative_config=config)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    rate = _agreement(outs, plain)
+    stats = llm.spec_stats()
+    print(f"{config['method']}: agreement with plain greedy {rate:.2f}, tau {stats['mean_accepted_length']:.2f}")
+    assert rate == 1.0
+    assert stats["num_drafts"] > 0 and stats["num_draft_tokens"] >= stats["num_accepted_tokens"] > 0
+    assert sum(stats["num_accepted_tokens_per_pos"]) == stats["num_accepted_tokens"]
+    _assert_no_leaks(llm)
+
+
+def test_a_model_drafting_for_itself_is_accepted_almost_always():
+    llm = _llm(speculative_config=SELF_DRAFT)
+    llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    stats = llm.spec_stats()
+    assert stats["acceptance_rate"] >= 0.95, stats
+    assert stats["mean_accepted_length"] >= 3.8  # k = 3 plus the bonus token
+
+
+def test_mixed_batch_with_prefill_chunks_next_to_verification(plain):
+    # An 8-token budget forces prompts to prefill in chunks while earlier requests already verify drafts.
+    llm = _llm(speculative_config=NGRAM, max_num_batched_tokens=8)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert _agreement(outs, plain) == 1.0
+    _assert_no_leaks(llm)
+
+
+def test_preemption_while_speculating_loses_nothing(plain):
+    probe = _llm()
+    per_block = KVCache.bytes_per_block(probe.engine.model_config, 16, probe.engine.dtype)
+    del probe
+    # 14 blocks of 16 tokens: not enough for five ~60-token sequences with 3 drafts each at once
+    llm = _llm(speculative_config=SELF_DRAFT, kv_cache_memory_gib=14 * per_block / 2**30, max_model_len=128)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert _agreement(outs, plain) == 1.0
+    _assert_no_leaks(llm)
+
+
+def test_abort_while_speculating_frees_target_and_draft_blocks():
+    llm = _llm(speculative_config=SELF_DRAFT)
+    engine = llm.engine
+    rid = engine.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=64))
+    other = engine.add_request(PROMPTS[2], SamplingParams(temperature=0, max_tokens=8))
+    for _ in range(3):
+        engine.step()
+    assert engine.proposer.blocks.num_free_blocks < engine.proposer.blocks.num_blocks
+    out = engine.abort_request(rid)
+    assert out is not None and out.outputs[0].finish_reason == "abort"
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert other not in engine.requests
+    _assert_no_leaks(llm)
+
+
+def test_sampled_speculation_is_seeded_and_in_vocabulary():
+    llm = _llm(speculative_config=SELF_DRAFT)
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=24, ignore_eos=True)
+    first = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    again = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+    assert all(len(o.outputs[0].token_ids) == 24 for o in first)
+    _assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"method": "medusa2"}, "unknown speculative method"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "draft"}, "needs a draft model"),
+        ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min (4) must be <="),
+        ({"method": "ngram", "typo": 1}, "unknown speculative config key"),
+        ("{not json", "not valid JSON"),
+    ],
+)
+def test_invalid_configs_are_refused(config, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        SpeculativeConfig.parse(config)
+
+
+def test_draft_with_another_vocabulary_is_refused():
+    with pytest.raises(ValueError, match="different vocabulary"):
+        _llm(speculative_config={"method": "draft", "model": "gemma3-270m"})
+
+
+def test_cli_reports_stats_and_refuses_bad_configs():
+    base = [sys.executable, "-m", "turbospec.cli", "generate", "--model", MODEL, "--prompt", "1, 2, 3, 4, 5, 6,",
+            "--max-tokens", "12", "--dtype", "float32", "--num-threads", "1", "--json"]
+    ok = subprocess.run(base + ["--speculative-config", json.dumps(NGRAM)], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    stats = json.loads(ok.stdout)["stats"]
+    assert {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos"} <= set(stats)
+    bad = subprocess.run(base + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "num_speculative_tokens" in bad.stderr and "Traceback" not in bad.stderr
