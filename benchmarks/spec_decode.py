@@ -1,0 +1,198 @@
+"""Spec-Bench style single-stream speculative decoding benchmark, turbospec beside HF transformers.
+
+Batch 1, greedy, chat template, on the first MT-Bench turns and on HumanEval prompts (subsets: the
+counts are in the output). Each row reports the following, all from one run:
+- tokens/s: generated tokens over wall time, prefill included;
+- the speedup over plain decoding of the same engine;
+- tau, the tokens emitted per verification step;
+- the acceptance at each draft position;
+- the share of prompts whose output equals plain decoding.
+
+    .venv/bin/python benchmarks/spec_decode.py                     # full run (about 25 min here)
+    .venv/bin/python benchmarks/spec_decode.py --humaneval 1 --mtbench 1 --max-tokens 8 --ks 2 --skip-hf
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from turbospec import LLM, SamplingParams
+from turbospec.bench.prompts import BenchPrompt, load_mtbench, load_prompts
+from turbospec.models.registry import gguf_path, pull
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run_turbospec(args: argparse.Namespace, name: str, spec: dict[str, Any] | None,
+                  datasets: dict[str, list[list[int]]]) -> list[dict[str, Any]]:
+    llm = LLM(args.target, dtype=args.dtype, num_threads=args.threads, max_model_len=args.max_model_len,
+              speculative_config=spec, progress=False, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    llm.generate({"prompt_token_ids": datasets[next(iter(datasets))][0]}, SamplingParams(temperature=0, max_tokens=4),
+                 use_tqdm=False)  # warm-up
+    rows = []
+    for dataset, prompts in datasets.items():
+        before = llm.spec_stats()
+        tokens, seconds, outputs = 0, 0.0, []
+        for i, ids in enumerate(prompts):
+            start = time.perf_counter()
+            out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0]
+            seconds += time.perf_counter() - start
+            tokens += len(out.token_ids)
+            outputs.append(out.token_ids)
+            log(f"  {name} {dataset} [{i + 1}/{len(prompts)}] {len(out.token_ids)} tok, {tokens / seconds:.2f} tok/s")
+        after = llm.spec_stats()
+        drafts = after["num_drafts"] - before["num_drafts"]
+        accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+        per_pos = [a - (before["num_accepted_tokens_per_pos"][j] if j < len(before["num_accepted_tokens_per_pos"]) else 0)
+                   for j, a in enumerate(after["num_accepted_tokens_per_pos"])]
+        drafted = [d - (before["num_draft_tokens_per_pos"][j] if j < len(before["num_draft_tokens_per_pos"]) else 0)
+                   for j, d in enumerate(after["num_draft_tokens_per_pos"])]
+        rows.append({
+            "engine": "turbospec", "method": name, "dataset": dataset, "tokens": tokens, "seconds": seconds,
+            "tok_s": tokens / seconds, "tau": 1 + accepted / drafts if drafts else 1.0,
+            "acceptance_by_position": [a / d if d else 0.0 for a, d in zip(per_pos, drafted)],
+            "outputs": outputs,
+        })
+    del llm
+    gc.collect()
+    return rows
+
+
+def run_hf(args: argparse.Namespace, datasets: dict[str, list[list[int]]]) -> list[dict[str, Any]]:
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, args.dtype)
+
+    def load(name: str) -> Any:
+        path = pull(name, progress=False)
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+
+    log("loading HF target and draft")
+    target, draft = load(args.target), load(args.draft)
+    variants = {"plain": {}, f"assisted ({args.draft})": {"assistant_model": draft},
+                f"prompt lookup k={args.hf_pld_k}": {"prompt_lookup_num_tokens": args.hf_pld_k}}
+    eos = gguf_eos(args.target)
+    rows = []
+    for name, extra in variants.items():
+        for dataset, prompts in datasets.items():
+            tokens, seconds, outputs = 0, 0.0, []
+            for i, ids in enumerate(prompts):
+                x = torch.tensor([ids])
+                start = time.perf_counter()
+                with torch.inference_mode():
+                    gen = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.max_tokens,
+                                          do_sample=False, eos_token_id=eos, pad_token_id=eos, **extra)
+                seconds += time.perf_counter() - start
+                new = gen[0, len(ids):].tolist()
+                tokens += len(new)
+                outputs.append(new)
+                log(f"  HF {name} {dataset} [{i + 1}/{len(prompts)}] {len(new)} tok, {tokens / seconds:.2f} tok/s")
+            rows.append({"engine": "hf", "method": name, "dataset": dataset, "tokens": tokens, "seconds": seconds,
+                         "tok_s": tokens / seconds, "outputs": outputs})
+    del target, draft
+    gc.collect()
+    return rows
+
+
+def gguf_eos(name: str) -> int:
+    from turbospec.models.loader import load_model  # noqa: F401  (cheap path below avoids loading weights)
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path(name)))
+    return int(reader.fields["tokenizer.ggml.eos_token_id"].contents())
+
+
+def chat_ids(target: str, prompts: list[BenchPrompt]) -> list[list[int]]:
+    from turbospec.models.loader import load_model
+
+    tok = load_model(target, "bfloat16", progress=False).tokenizer
+    return [tok.apply_chat_template([{"role": "user", "content": p.text}]) for p in prompts]
+
+
+def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for r in rows:
+        plain = next(p for p in rows if p["engine"] == r["engine"] and p["method"] == "plain" and p["dataset"] == r["dataset"])
+        r["speedup"] = r["tok_s"] / plain["tok_s"]
+        r["matches_plain"] = sum(a == b for a, b in zip(r["outputs"], plain["outputs"])) / len(plain["outputs"])
+    return rows
+
+
+def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "# Speculative decoding, single stream (Spec-Bench protocol)", "",
+        f"- command: `{meta['command']}`", f"- machine: {meta['machine']}, {meta['threads']} threads, torch {meta['torch']}",
+        f"- date: {meta['date']}, commit {meta['commit']}",
+        f"- target `{meta['target']}` {meta['dtype']}, draft `{meta['draft']}`; greedy, chat template, "
+        f"max {meta['max_tokens']} new tokens; {meta['counts']}", "",
+        "| dataset | engine | method | tok/s | speedup | tau | acceptance by position | = plain |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        acc = " ".join(f"{a:.2f}" for a in r.get("acceptance_by_position", [])) or "-"
+        tau = f"{r['tau']:.2f}" if "tau" in r else "-"
+        lines.append(f"| {r['dataset']} | {r['engine']} | {r['method']} | {r['tok_s']:.2f} | {r['speedup']:.2f}x | "
+                     f"{tau} | {acc} | {r['matches_plain']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--humaneval", type=int, default=5, help="HumanEval prompts (first N)")
+    ap.add_argument("--mtbench", type=int, default=5, help="MT-Bench first turns (first N questions)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--hf-pld-k", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results/spec_decode")
+    args = ap.parse_args()
+
+    humaneval, _ = load_prompts(args.humaneval, "humaneval")
+    datasets = {"humaneval": chat_ids(args.target, humaneval),
+                "mtbench": chat_ids(args.target, load_mtbench(args.mtbench))}
+    configs: list[tuple[str, dict[str, Any] | None]] = [("plain", None)]
+    configs += [(f"ngram k={k}", {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 3}) for k in args.ks]
+    configs += [(f"draft k={k}", {"method": "draft", "model": args.draft, "num_speculative_tokens": k}) for k in args.ks]
+    rows: list[dict[str, Any]] = []
+    for name, spec in configs:
+        log(f"turbospec {name}")
+        rows += run_turbospec(args, name, spec, datasets)
+    if not args.skip_hf:
+        rows += run_hf(args, datasets)
+    rows = summarise(rows)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    meta = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": f"{cpu}, {os.cpu_count()} CPUs",
+            "threads": args.threads, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "commit": commit, "target": args.target, "draft": args.draft, "dtype": args.dtype,
+            "max_tokens": args.max_tokens,
+            "counts": f"{args.humaneval} HumanEval prompts, {args.mtbench} MT-Bench first turns"}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out.with_suffix(".md").write_text(markdown(meta, rows))
+    print(markdown(meta, rows))
+
+
+if __name__ == "__main__":
+    main()
