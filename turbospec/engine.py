@@ -148,7 +148,9 @@ class LLMEngine:
 
     def _spec_budget(self, decoding: list[Request]) -> dict[str, int]:
         assert self.spec is not None
-        return {r.request_id: self.spec.num_speculative_tokens for r in decoding}
+        # never draft past max_tokens: the last token is always the verifier's own
+        return {r.request_id: min(self.spec.num_speculative_tokens, r.params.max_tokens - len(r.output_token_ids) - 1)
+                for r in decoding}
 
     def _propose(self, sched: SchedulerOutput) -> None:
         assert self.proposer is not None
@@ -203,11 +205,13 @@ class LLMEngine:
                             [None if r.spec_draft_probs is None else r.spec_draft_probs[: n - 1] for r, _, n in picked],
                             [r.generator for r in reqs])
             emitted, accepted = result.tokens, result.num_accepted
-        rows = [row + j for (_, row, _), toks in zip(picked, emitted) for j in range(len(toks))]
-        flat = [t for toks in emitted for t in toks]
         row_reqs = [r for r, toks in zip(reqs, emitted) for _ in toks]
-        logprobs = self._logprobs(row_reqs, out.logits[torch.tensor(rows, device=out.logits.device)],
-                                  torch.tensor(flat, device=out.logits.device))
+        logprobs: list[dict[int, Logprob] | None] = [None] * len(row_reqs)
+        if any(r.params.logprobs is not None for r in reqs):
+            rows = [row + j for (_, row, _), toks in zip(picked, emitted) for j in range(len(toks))]
+            flat = [t for toks in emitted for t in toks]
+            logprobs = self._logprobs(row_reqs, out.logits[torch.tensor(rows, device=out.logits.device)],
+                                      torch.tensor(flat, device=out.logits.device))
         result_map: dict[str, tuple[list[tuple[int, dict[int, Logprob] | None]], int]] = {}
         pos = 0
         for req, toks, acc in zip(reqs, emitted, accepted):

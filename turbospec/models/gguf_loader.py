@@ -111,7 +111,7 @@ def load_gguf(path: Path, name: str, progress: bool = True) -> tuple[ModelConfig
                 arr = _unpermute_rope(arr, heads)
             if config.arch == "gemma3" and key.endswith("norm.weight"):
                 arr = arr - 1.0  # llama.cpp stores Gemma's (1 + w); HF keeps w
-            yield key, torch.from_numpy(np.ascontiguousarray(arr))
+            yield key, torch.from_numpy(np.require(arr, requirements=["C", "W"]))  # writable: torch needs it
 
     expected = sum(1 for t in reader.tensors)
     if expected == 0:
