@@ -45,7 +45,7 @@ class AttnGroup:
             self._window_masks[window] = masked
         return self._window_masks[window]
 
-    def to(self, device: torch.device) -> "AttnGroup":
+    def to(self, device: torch.device) -> AttnGroup:
         return AttnGroup(*(t.to(device) for t in (self.token_index, self.query_valid, self.kv_slots, self.mask,
                                                    self.query_positions)), token_range=self.token_range)
 
@@ -58,7 +58,7 @@ class AttentionMetadata:
     groups: list[AttnGroup]
     num_tokens: int
 
-    def to(self, device: torch.device) -> "AttentionMetadata":
+    def to(self, device: torch.device) -> AttentionMetadata:
         return AttentionMetadata(self.slot_mapping.to(device), [g.to(device) for g in self.groups], self.num_tokens)
 
 

@@ -25,7 +25,7 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     # None, a SpeculativeConfig, a dict, or its JSON text (see SpeculativeConfig)
-    speculative_config: "SpeculativeConfig | dict | str | None" = None
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:
@@ -80,7 +80,7 @@ class SpeculativeConfig:
                                  f"({self.prompt_lookup_max})")
 
     @classmethod
-    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
         """Accept a config, a dict, or the JSON the CLI takes; unknown keys are refused, not ignored."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value

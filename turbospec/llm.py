@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from tqdm import tqdm
 

@@ -47,7 +47,7 @@ class ModelRunner:
         return self.run(items)
 
     @torch.inference_mode()
-    def run(self, items: list["SeqInput"]) -> ModelOutput:
+    def run(self, items: list[SeqInput]) -> ModelOutput:
         """Compute items' tokens (each continuing its sequence at `start`) and return their last rows."""
         ids: list[int] = []
         positions: list[int] = []

@@ -11,7 +11,7 @@ request is a valid answer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from .acceptance import expected_tokens
 

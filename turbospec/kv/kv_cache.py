@@ -21,7 +21,7 @@ class KVCache:
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: str | torch.device) -> "KVCache":
+                 device: str | torch.device) -> KVCache:
         # Zeros, not empty: padded attention rows read slot 0, and masked garbage could be NaN (NaN * 0 = NaN).
         shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
         layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

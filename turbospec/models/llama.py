@@ -6,7 +6,7 @@ chunks, decodes and multi-token verification together, and can hand back hidden 
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
+from collections.abc import Sequence
 
 
 class Tokenizer(Protocol):
@@ -31,7 +32,7 @@ class HFTokenizer:
 
     @classmethod
     def load(cls, source: Path, gguf_file: str | None = None, cache_dir: Path | None = None,
-             extra_eos: Sequence[int] = ()) -> "HFTokenizer":
+             extra_eos: Sequence[int] = ()) -> HFTokenizer:
         from transformers import AutoTokenizer
 
         # Converting a GGUF vocabulary takes seconds (15 s for Gemma's 262k); the saved result loads fast.

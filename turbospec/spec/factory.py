@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from ..engine import LLMEngine
 
 
-def build_proposer(spec: SpeculativeConfig, engine: "LLMEngine", progress: bool = True) -> Proposer:
+def build_proposer(spec: SpeculativeConfig, engine: LLMEngine, progress: bool = True) -> Proposer:
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     assert spec.model is not None

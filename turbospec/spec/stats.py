@@ -29,7 +29,7 @@ class SpecDecodingStats:
             self.num_draft_tokens_per_pos[pos] += 1
             self.num_accepted_tokens_per_pos[pos] += pos < num_accepted
 
-    def merge(self, other: "SpecDecodingStats") -> None:
+    def merge(self, other: SpecDecodingStats) -> None:
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
