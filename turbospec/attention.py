@@ -164,9 +164,9 @@ def paged_attention(
     return out
 
 
-# Up to this many queries per sequence, two grouped matmuls beat SDPA on CPU: torch 2.13's bf16 SDPA takes
-# a path 8x slower than fp32 for decode shapes (16 x 1 query: 4.3 ms against 0.27 ms here), while for long
-# prefill chunks its flash kernel wins (512 queries: 4.4 ms against 15.7 ms).
+# Up to this many queries per sequence, two grouped matmuls beat SDPA on CPU: torch 2.13's bf16 SDPA is
+# 10-20x slower for decode shapes (benchmarks/cpu_kernels.py), while for long prefill chunks its flash
+# kernel wins (512 queries: 4.4 ms against 15.7 ms for the matmuls).
 SHORT_QUERY = 16
 
 
