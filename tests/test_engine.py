@@ -109,28 +109,19 @@ def test_stop_token_ids(llm: LLM) -> None:
     prompt = "The capital of France is"
     free = llm.generate(prompt, greedy(12), use_tqdm=False)[0].outputs[0]
     stop_tok = free.token_ids[2]
-    first = free.token_ids.index(stop_tok)
-    assert first == 2, "precondition: the 3rd greedy token does not occur earlier"
+    assert free.token_ids.index(stop_tok) == 2, "precondition: the 3rd greedy token does not occur earlier"
+    tok = llm.get_tokenizer()
+    assert tok.decode([stop_tok]) != ""  # precondition: a token with visible text
 
     out = llm.generate(prompt, greedy(12, stop_token_ids=[stop_tok]), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop"
     assert out.stop_reason == stop_tok
     assert out.token_ids == free.token_ids[:3]  # the stop token itself is the last token, as in vLLM
-    assert_idle(llm)
-
-
-@pytest.mark.slow
-def test_stop_token_text_is_not_in_output(llm: LLM) -> None:
-    prompt = "The capital of France is"
-    free = llm.generate(prompt, greedy(12), use_tqdm=False)[0].outputs[0]
-    stop_tok = free.token_ids[2]
-    tok = llm.get_tokenizer()
-    assert tok.decode([stop_tok]) != ""  # precondition: an ordinary (non-special) token with visible text
-    out = llm.generate(prompt, greedy(12, stop_token_ids=[stop_tok]), use_tqdm=False)[0].outputs[0]
-    assert out.text == tok.decode(free.token_ids[:2])
+    assert out.text == tok.decode(free.token_ids[:2])  # ... but its text is not shown
     kept = llm.generate(prompt, greedy(12, stop_token_ids=[stop_tok], include_stop_str_in_output=True),
                         use_tqdm=False)[0].outputs[0]
     assert kept.text == tok.decode(free.token_ids[:3])
+    assert_idle(llm)
 
 
 # ------------------------------------------------------------------------------------------------- logprobs

@@ -76,10 +76,6 @@ class Rotary(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def fuse_rows(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(parts, dim=0)
-
-
 def dummy_init_(module: nn.Module, seed: int = 0) -> None:
     """Random weights with a scale that keeps activations finite through many layers (timing runs only)."""
     gen = torch.Generator().manual_seed(seed)

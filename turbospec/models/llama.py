@@ -163,5 +163,3 @@ class CausalLM(nn.Module):
             raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}")
         param.data.copy_(tensor.to(param.dtype))
 
-
-LlamaForCausalLM = CausalLM

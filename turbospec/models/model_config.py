@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -162,6 +162,3 @@ def from_hf_config(cfg: dict[str, Any], name: str) -> ModelConfig:
     return ModelConfig(arch="llama", qkv_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
                        rope_scaling=scaling, **common)
 
-
-def with_overrides(config: ModelConfig, **kw: Any) -> ModelConfig:
-    return replace(config, **kw)

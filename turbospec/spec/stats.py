@@ -29,17 +29,6 @@ class SpecDecodingStats:
             self.num_draft_tokens_per_pos[pos] += 1
             self.num_accepted_tokens_per_pos[pos] += pos < num_accepted
 
-    def merge(self, other: SpecDecodingStats) -> None:
-        self.num_drafts += other.num_drafts
-        self.num_draft_tokens += other.num_draft_tokens
-        self.num_accepted_tokens += other.num_accepted_tokens
-        for pos, (d, a) in enumerate(zip(other.num_draft_tokens_per_pos, other.num_accepted_tokens_per_pos)):
-            if pos >= len(self.num_draft_tokens_per_pos):
-                self.num_draft_tokens_per_pos.append(0)
-                self.num_accepted_tokens_per_pos.append(0)
-            self.num_draft_tokens_per_pos[pos] += d
-            self.num_accepted_tokens_per_pos[pos] += a
-
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
