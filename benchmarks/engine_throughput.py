@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from turbospec.control.profiler import hardware_name
 from turbospec import LLM, SamplingParams  # noqa: E402
 from turbospec.bench import chat_messages, load_prompts  # noqa: E402
 from turbospec.models.registry import gguf_path  # noqa: E402
@@ -55,13 +56,7 @@ def log(msg: str) -> None:
 # --- metadata --------------------------------------------------------------------------------------------
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    return hardware_name("cpu")
 
 
 def git_commit() -> dict[str, Any]:

@@ -13,16 +13,12 @@ from turbospec import LLM, SamplingParams
 from turbospec.config import SpeculativeConfig
 from turbospec.kv.kv_cache import KVCache
 
+from spec_prompts import SPEC_PROMPTS
+
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m"
-PROMPTS = [
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "Repeat after me: the cat sat on the mat. the cat sat on the mat. the cat",
-    "1, 2, 3, 4, 5,",
-    "Write a short story about a robot who learns to paint. It begins in a small workshop where",
-    "SELECT name, age FROM users WHERE age > 30 ORDER BY",
-]
+PROMPTS = SPEC_PROMPTS
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 SELF_DRAFT = {"method": "draft", "model": MODEL, "num_speculative_tokens": 3}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import Any
 from collections.abc import Sequence
 
@@ -44,7 +45,58 @@ def _parser() -> argparse.ArgumentParser:
                      help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                           '\'{"method": "draft", "model": "qwen2.5-coder-0.5b"}\'')
     gen.add_argument("--json", action="store_true", help="print {text, token_ids, prompt_token_ids, finish_reason}")
+
+    prof = sub.add_parser("profile", help="measure the engine's step time over a grid and cache the fitted model "
+                                          "that the goodput controller uses")
+    prof.add_argument("--model", required=True, help="registry name, .gguf path, HF directory or dummy:<shape>")
+    prof.add_argument("--speculative-config", default=None, help="as for generate; its proposer is profiled too")
+    prof.add_argument("--grid", default="full", choices=["brief", "full"])
+    prof.add_argument("--batch-sizes", default=None, help="override the grid's, e.g. 1,2,4,8,16")
+    prof.add_argument("--contexts", default=None, help="override the grid's context lengths, e.g. 128,512")
+    prof.add_argument("--ks", default=None, help="override the grid's draft lengths, e.g. 0,1,2,4,8")
+    prof.add_argument("--repeats", type=int, default=None, help="steps measured per grid point")
+    prof.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
+    prof.add_argument("--num-threads", type=int, default=None)
+    prof.add_argument("--max-num-seqs", type=int, default=32)
     return p
+
+
+def _int_list(flag: str, text: str) -> tuple[int, ...]:
+    lowest = 0 if flag == "--ks" else 1
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if min(values) < lowest:
+        raise ValueError(f"{flag} must be integers >= {lowest}, got {text!r}")
+    return values
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from .config import EngineConfig, SpeculativeConfig
+    from .control.profiler import GRIDS, build_model, profile_path
+    from .engine import LLMEngine
+
+    try:
+        grid = GRIDS[args.grid]
+        grid = replace(grid, **{name: _int_list(f"--{name.replace('_', '-')}", getattr(args, name))
+                                for name in ("batch_sizes", "contexts", "ks") if getattr(args, name)})
+        if args.repeats is not None:
+            if args.repeats < 1:
+                raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+            grid = replace(grid, repeats=args.repeats)
+        spec = SpeculativeConfig.parse(args.speculative_config)
+        if spec is not None:
+            spec.num_speculative_tokens = spec.k_limit  # a fixed k while profiling: no controller (nor a profile)
+        engine = LLMEngine(EngineConfig(args.model, dtype=args.dtype, num_threads=args.num_threads,
+                                        max_num_seqs=args.max_num_seqs, speculative_config=spec))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    model = build_model(engine, grid)
+    for report in model.reports:
+        print(report.line())
+    print(f"saved {profile_path(model.key)}")
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -96,6 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "generate":
             return _generate(args)
+        if args.command == "profile":
+            return _profile(args)
     except UsageError as exc:
         print(f"turbospec: error: {exc}", file=sys.stderr)
         return 2

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from .control.acceptance import DEFAULT_ESTIMATOR, ESTIMATORS
+
 DTYPE_NAMES = ("bfloat16", "bf16", "float32", "fp32", "float16", "fp16")
 
 
@@ -48,9 +50,9 @@ class EngineConfig:
         return self.num_threads or os.cpu_count() or 1
 
 
-def _positive(name: str, value: object) -> None:
+def _positive(name: str, value: object, alternative: str = "") -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        raise ValueError(f"{name} must be an integer >= 1{' ' + alternative if alternative else ''}, got {value!r}")
 
 
 SPEC_METHODS = ("ngram", "draft")
@@ -61,15 +63,29 @@ class SpeculativeConfig:
     """vLLM-shaped speculative decoding options (``LLM(..., speculative_config={...})``)."""
 
     method: str
-    num_speculative_tokens: int = 4
+    # "auto": the goodput controller chooses 0..max_speculative_tokens per request and step; an int fixes k.
+    num_speculative_tokens: int | str = "auto"
+    max_speculative_tokens: int = 8
     model: str | None = None  # the draft model, for method "draft"
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    acceptance_estimator: str = DEFAULT_ESTIMATOR  # see control/acceptance.py
+    # For studies only: accept each draft token with this fixed probability whatever it is (TurboSpec's
+    # microbenchmarks). Outputs are then NOT the model's; step costs and the controller's choices are real.
+    synthetic_acceptance: float | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"unknown speculative method {self.method!r}: expected one of {', '.join(SPEC_METHODS)}")
-        _positive("num_speculative_tokens", self.num_speculative_tokens)
+        if self.num_speculative_tokens != "auto":
+            _positive("num_speculative_tokens", self.num_speculative_tokens, "or \"auto\"")
+        _positive("max_speculative_tokens", self.max_speculative_tokens)
+        if self.acceptance_estimator not in ESTIMATORS:
+            raise ValueError(f"unknown acceptance_estimator {self.acceptance_estimator!r}: expected one of "
+                             f"{', '.join(ESTIMATORS)}")
+        a = self.synthetic_acceptance
+        if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0):
+            raise ValueError(f"synthetic_acceptance must be a number in [0, 1] or null, got {a!r}")
         if self.method == "draft" and not self.model:
             raise ValueError("speculative method 'draft' needs a draft model: add \"model\": \"<name or path>\"")
         if self.method == "ngram":
@@ -78,6 +94,15 @@ class SpeculativeConfig:
             if self.prompt_lookup_min > self.prompt_lookup_max:
                 raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
                                  f"({self.prompt_lookup_max})")
+
+    @property
+    def is_auto(self) -> bool:
+        return self.num_speculative_tokens == "auto"
+
+    @property
+    def k_limit(self) -> int:
+        """The most drafts one request verifies in a step."""
+        return self.max_speculative_tokens if self.is_auto else int(self.num_speculative_tokens)
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:

@@ -9,9 +9,13 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .config import EngineConfig
+from .control.acceptance import make_estimator
+from .control.controller import Candidate, GoodputController
+from .control.step_time import StepFeatures, StepSample
 from .kv.block_manager import BlockManager
 from .kv.kv_cache import KVCache
 from .models.loader import LoadedModel, load_model, parse_dtype
@@ -23,8 +27,9 @@ from .sampler import SamplingBatch, compute_logprobs, make_generator, processed_
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .spec.factory import build_proposer
+from .spec.ngram import NgramProposer
 from .spec.stats import SpecDecodingStats
-from .spec.verifier import verify
+from .spec.verifier import synthetic_verify, verify
 
 log = logging.getLogger("turbospec.engine")
 
@@ -61,6 +66,20 @@ class LLMEngine:
         self.spec = config.speculative_config
         self.proposer = build_proposer(self.spec, self, progress) if self.spec else None
         self.spec_stats = SpecDecodingStats()
+        # 0 (off), a fixed k, or "auto" (the goodput controller); switchable at run time by set_speculation
+        self.spec_mode: int | str = self.spec.num_speculative_tokens if self.spec else 0
+        self.synthetic_acceptance = self.spec.synthetic_acceptance if self.spec else None
+        self._synthetic_rng = np.random.default_rng(config.seed)
+        self.controller: GoodputController | None = None
+        self._ngram_drafts: dict[str, list[int]] = {}  # auto mode: lookups made before the choice
+        self.last_sample: StepSample | None = None
+        self.record_history = False
+        self.controller_history: list[dict[str, float | int | None]] = []
+        # (request id, drafts verified, drafts accepted) per verification, when set to a list: the traces that
+        # benchmarks/acceptance_estimators.py replays to choose the acceptance estimator
+        self.verify_trace: list[tuple[str, int, int]] | None = None
+        if self.spec_mode == "auto":
+            self._ensure_controller(progress)
 
     def _num_blocks(self) -> int:
         c = self.config
@@ -130,39 +149,161 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # --- speculation policy -------------------------------------------------------------------------------
+
+    def set_speculation(self, value: int | str) -> None:
+        """0 turns speculation off, k >= 1 fixes the draft length, "auto" hands it to the goodput controller."""
+        if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"speculation must be 0 (off), an integer k >= 1 or \"auto\", got {value!r}")
+        if value != 0 and self.proposer is None:
+            raise ValueError("this engine has no speculative_config: only 0 (no speculation) is possible")
+        if value == "auto":
+            self._ensure_controller(progress=True)
+        self.spec_mode = value
+
+    def _ensure_controller(self, progress: bool) -> None:
+        if self.controller is None:
+            from .control.profiler import load_or_profile  # imports tqdm and the registry: only when used
+
+            assert self.spec is not None
+            model = load_or_profile(self, progress)
+            self.controller = GoodputController(model, make_estimator(self.spec.acceptance_estimator))
+
+    def spec_stats_dict(self) -> dict[str, object]:
+        out: dict[str, object] = self.spec_stats.as_dict()
+        out["policy"] = self.spec_mode
+        if self.controller is not None:
+            out["controller"] = self.controller.stats.as_dict()
+        return out
+
+    def reset_spec_stats(self) -> None:
+        self.spec_stats = SpecDecodingStats()
+        if self.controller is not None:
+            self.controller.stats = type(self.controller.stats)()
+        self.controller_history.clear()
+
     # --- one step ------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
-        sched = self.scheduler.schedule(self._spec_budget if self.proposer else None)
-        if self.proposer:
-            self._propose(sched)
+        speculating = self.proposer is not None and self.spec_mode != 0
+        self._ngram_drafts = {}
+        sched = self.scheduler.schedule(self._spec_budget if speculating else None)
+        draft_tokens = self._propose(sched) if speculating else 0
+        proposed = time.perf_counter()
         if sched.is_empty:
-            self.last_step = StepStats(0, 0, len(sched.preempted), time.perf_counter() - start)
+            self.last_step = StepStats(0, 0, len(sched.preempted), proposed - start)
+            self.last_sample = None
             return []
+        features = self._features(sched, draft_tokens)  # before _update clears the drafts
         model_out = self.runner.execute(sched)
+        forwarded = time.perf_counter()
         outputs = self._update(sched, model_out)
-        self.last_step = StepStats(len(sched.scheduled), sched.num_batched_tokens, len(sched.preempted),
-                                   time.perf_counter() - start)
+        end = time.perf_counter()
+        self.last_step = StepStats(len(sched.scheduled), sched.num_batched_tokens, len(sched.preempted), end - start)
+        # n-gram lookups are bookkeeping-sized: they count as overhead, not as a draft model
+        draft_s = proposed - start if self.spec is not None and self.spec.method == "draft" and draft_tokens else 0.0
+        self.last_sample = StepSample(features, forwarded - proposed, draft_s,
+                                      (end - start) - (forwarded - proposed) - draft_s)
+        if self.controller is not None and self.spec_mode == "auto":
+            self._learn_step_time(self.last_sample)
         return outputs
 
-    def _spec_budget(self, decoding: list[Request]) -> dict[str, int]:
-        assert self.spec is not None
-        # never draft past max_tokens: the last token is always the verifier's own
-        return {r.request_id: min(self.spec.num_speculative_tokens, r.params.max_tokens - len(r.output_token_ids) - 1)
-                for r in decoding}
+    @staticmethod
+    def _features(sched: SchedulerOutput, draft_tokens: int) -> StepFeatures:
+        f = StepFeatures(batch=len(sched.scheduled), draft_tokens=draft_tokens)
+        for s in sched.scheduled:
+            k = len(s.request.spec_token_ids[: s.num_spec_tokens]) if s.samples else 0
+            q = s.num_new_tokens + k
+            ctx = s.start + q
+            f.tokens += q
+            f.kv += ctx
+            f.attn += q * ctx
+            if k:
+                f.spec_tokens += k
+                f.draft_steps = max(f.draft_steps, k)
+                f.draft_kv += k * ctx
+        return f
 
-    def _propose(self, sched: SchedulerOutput) -> None:
+    def _learn_step_time(self, sample: StepSample) -> None:
+        assert self.controller is not None
+        model = self.controller.model
+        predicted = model.predict(sample.features)
+        self.controller.record_step(predicted, sample.total_s)
+        model.observe(sample)
+        if self.record_history:
+            choice = self.controller.last_choice
+            self.controller_history.append({
+                "time": time.monotonic(), "num_decoding": len(choice.ks) if choice else 0,
+                "mean_k": sum(choice.ks) / len(choice.ks) if choice and choice.ks else 0.0,
+                "acceptance": self.controller.stats.last_acceptance,
+                "predicted_s": predicted, "measured_s": sample.total_s,
+            })
+
+    def _spec_budget(self, decoding: list[Request]) -> dict[str, int]:
+        """Draft tokens each decoding request may verify this step: fixed k, or the goodput controller's."""
+        assert self.spec is not None
+        limit = self.spec.k_limit if self.spec_mode == "auto" else int(self.spec_mode)
+        # never draft past max_tokens: the last token is always the verifier's own
+        caps = [max(0, min(limit, r.params.max_tokens - len(r.output_token_ids) - 1)) for r in decoding]
+        if self.spec_mode != "auto":
+            return {r.request_id: k for r, k in zip(decoding, caps)}
+        assert self.controller is not None
+        if isinstance(self.proposer, NgramProposer):  # proposals are free: choose how many to verify
+            self._ngram_drafts = {r.request_id: self.proposer.propose_one(r.all_token_ids, k) if k else []
+                                  for r, k in zip(decoding, caps)}
+            caps = [len(self._ngram_drafts[r.request_id]) for r in decoding]
+        base, spare_tokens = self._base_features(decoding)
+        caps = self._guard_kv(decoding, caps)
+        candidates = [Candidate(r.request_id, k, r.num_tokens) for r, k in zip(decoding, caps)]
+        ks = self.controller.choose(candidates, base, spare_tokens)
+        return {r.request_id: k for r, k in zip(decoding, ks)}
+
+    def _base_features(self, decoding: list[Request]) -> tuple[StepFeatures, int]:
+        """This step as the scheduler will build it without drafts (decodes plus the prefill it can fit), and
+        the token budget left over. Drafts only use leftover budget: they never delay a waiting prompt."""
+        f = StepFeatures()
+        budget = self.config.max_num_batched_tokens
+        for r in decoding:
+            f.batch, f.tokens, f.kv, f.attn = f.batch + 1, f.tokens + 1, f.kv + r.num_tokens, f.attn + r.num_tokens
+        budget -= len(decoding)
+        seats = self.config.max_num_seqs - len(self.scheduler.running)
+        pending = [(r.num_computed_tokens, r.num_tokens) for r in self.scheduler.running if r.is_prefilling]
+        pending += [(0, r.num_tokens) for r in list(self.scheduler.waiting)[: max(seats, 0)]]
+        for done, total in pending:
+            if budget <= 0:
+                break
+            q = min(total - done, budget)
+            f.batch, f.tokens, f.kv, f.attn = f.batch + 1, f.tokens + q, f.kv + done + q, f.attn + q * (done + q)
+            budget -= q
+        return f, max(budget, 0)
+
+    def _guard_kv(self, decoding: list[Request], caps: list[int]) -> list[int]:
+        """Keep a block of headroom per running request: when drafts would eat into it, a request may only
+        draft into the free slots of its last block."""
+        spare = self.blocks.num_free_blocks - len(self.scheduler.running)
+        if spare * self.config.block_size >= sum(caps):
+            return caps
+        return [min(k, max(0, self.blocks.num_slots(r.request_id) - r.num_tokens)) for r, k in zip(decoding, caps)]
+
+    def _propose(self, sched: SchedulerOutput) -> int:
+        """Fill each scheduled request's drafts; returns the tokens the draft model processed (0 for n-gram)."""
         assert self.proposer is not None
         spec = [s for s in sched.scheduled if s.num_spec_tokens > 0]
         for s in sched.scheduled:
             s.request.spec_token_ids = []
         if not spec:
-            return
+            return 0
+        if self.spec_mode == "auto" and isinstance(self.proposer, NgramProposer):
+            for s in spec:
+                s.request.spec_token_ids = self._ngram_drafts.get(s.request.request_id, [])[: s.num_spec_tokens]
+            return 0
+        draft_tokens = self.proposer.tokens_to_process([s.request for s in spec], [s.num_spec_tokens for s in spec])
         drafts = self.proposer.propose([s.request for s in spec], [s.num_spec_tokens for s in spec])
         for s, d in zip(spec, drafts):
             s.request.spec_token_ids = d.tokens
             s.request.spec_draft_probs = d.probs
+        return draft_tokens
 
     def _update(self, sched: SchedulerOutput, out: ModelOutput) -> list[RequestOutput]:
         verified = self._verify(sched, out)
@@ -173,15 +314,38 @@ class LLMEngine:
             result = verified.get(req.request_id)
             num_drafts = len(req.spec_token_ids)
             accepted = result[1] if result else 0
+            decoding = s.samples and s.num_new_tokens == 1  # before appending: that moves the end
             if result:  # append first: committing hashes the accepted tokens into the prefix cache
                 outputs.append(self._append(req, result[0], now))
             self.scheduler.commit(s, accepted)
+            if decoding:
+                self.spec_stats.observe_choice(num_drafts)
             if self.proposer and num_drafts:
                 self.spec_stats.observe(num_drafts, accepted)
+                if self.verify_trace is not None:
+                    self.verify_trace.append((req.request_id, num_drafts, accepted))
                 if not req.is_finished:
                     self.proposer.on_verified(req, accepted)
+            if self.controller is not None and self.spec_mode == "auto" and result:
+                self._observe_acceptance(req, num_drafts, accepted, result[0])
             req.spec_token_ids, req.spec_draft_probs = [], None
         return outputs
+
+    def _observe_acceptance(self, req: Request, num_drafts: int, accepted: int,
+                            emitted: list[tuple[int, dict[int, Logprob] | None]]) -> None:
+        """Feed the controller's estimator. An n-gram proposal is free, so the position after the last verified
+        draft is observed too, even at k = 0: did the lookup's next token match what the target emitted?
+        Without this a request that is never given drafts could never show that it deserves some."""
+        assert self.controller is not None
+        lookup = self._ngram_drafts.get(req.request_id, [])
+        if accepted == num_drafts and len(lookup) > num_drafts and len(emitted) > num_drafts:
+            if self.synthetic_acceptance is not None:
+                hit = self._synthetic_rng.random() < self.synthetic_acceptance
+            else:
+                hit = lookup[num_drafts] == emitted[num_drafts][0]
+            num_drafts, accepted = num_drafts + 1, accepted + hit
+        if num_drafts:
+            self.controller.observe(req.request_id, num_drafts, accepted)
 
     def _verify(self, sched: SchedulerOutput, out: ModelOutput
                 ) -> dict[str, tuple[list[tuple[int, dict[int, Logprob] | None]], int]]:
@@ -200,6 +364,10 @@ class LLMEngine:
         if all(n == 1 for _, _, n in picked):  # nobody speculated: plain sampling, one row each
             emitted = [[t] for t in sample(probs, batch).tolist()]
             accepted = [0] * len(reqs)
+        elif self.synthetic_acceptance is not None:
+            emitted, accepted = synthetic_verify(probs, [row for _, row, _ in picked],
+                                                 [r.spec_token_ids[: n - 1] for r, _, n in picked],
+                                                 self.synthetic_acceptance, self._synthetic_rng)
         else:
             result = verify(probs, [row for _, row, _ in picked], [r.spec_token_ids[: n - 1] for r, _, n in picked],
                             [None if r.spec_draft_probs is None else r.spec_draft_probs[: n - 1] for r, _, n in picked],
@@ -267,8 +435,11 @@ class LLMEngine:
 
     def _release(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
+        self._ngram_drafts.pop(req.request_id, None)
         if self.proposer:
             self.proposer.free(req.request_id)
+        if self.controller is not None:
+            self.controller.free(req.request_id)
 
     def _check_stop_token(self, req: Request, tok: int) -> bool:
         p = req.params

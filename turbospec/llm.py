@@ -38,8 +38,9 @@ class LLM:
         return self.engine.tokenizer
 
     def spec_stats(self) -> dict[str, Any]:
-        """Cumulative speculative decoding statistics (all zero when speculation is off)."""
-        return self.engine.spec_stats.as_dict()
+        """Cumulative speculative decoding statistics (all zero when speculation is off), and the goodput
+        controller's (chosen k distribution, acceptance estimate, predicted vs measured step time) when it runs."""
+        return self.engine.spec_stats_dict()
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

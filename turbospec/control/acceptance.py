@@ -1,16 +1,26 @@
-"""Online acceptance estimates: per request, starting from a global prior, following change within tens of
-steps.
+"""Online acceptance estimates: for each request and draft position, the chance that the draft token there is
+accepted given that every earlier one was.
 
-A verification of k drafts that accepted m is m Bernoulli successes followed by one failure (if m < k).
-So per-token acceptance has a Beta posterior. We keep exponentially decayed success and failure counts per
-request. A global pair of counts, decayed more slowly, serves as the prior a new request starts from.
-The decay forgets old evidence, so a shift (code -> chat) moves the estimate within about 1 / (1 - decay)
-verifications.
+A verification of k drafts that accepted m is m accepted positions followed by one rejection (if m < k).
+Every estimator here sees only that, step by step, and answers ``rates(request, k)``: the conditional
+acceptance at positions 1..k. A new request starts from what the estimator knows globally. Old evidence
+decays, so a shift (code -> chat) moves the estimates within about 1 / (1 - decay) verifications.
+
+Several estimators are kept on purpose. ``benchmarks/acceptance_estimators.py`` replays verification traces
+recorded from real runs through each and measures how well each predicts the accepted count. The default
+(``DEFAULT_ESTIMATOR``) is the one with the lowest error there, not the one that looks best on paper.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+
+RATE_FLOOR, RATE_CEIL = 1e-3, 0.999  # keep (1 - a^(k+1)) / (1 - a) finite and never exactly certain
+
+
+def _clamp(a: float) -> float:
+    return min(max(a, RATE_FLOOR), RATE_CEIL)
 
 
 @dataclass
@@ -18,12 +28,55 @@ class _Counts:
     success: float = 0.0
     failure: float = 0.0
 
-    def add(self, accepted: int, rejected: bool, decay: float) -> None:
-        self.success = decay * self.success + accepted
-        self.failure = decay * self.failure + rejected
+    def add(self, success: float, failure: float, decay: float) -> None:
+        self.success = decay * self.success + success
+        self.failure = decay * self.failure + failure
+
+    def rate(self, prior: float, strength: float) -> float:
+        return (self.success + strength * prior) / (self.success + self.failure + strength)
 
 
-class AcceptanceEstimator:
+class AcceptanceEstimator(ABC):
+    name = "base"
+
+    @abstractmethod
+    def rates(self, request_id: str, k: int) -> list[float]:
+        """Conditional acceptance at draft positions 1..k for this request."""
+
+    @abstractmethod
+    def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
+        """One verification: num_draft tokens proposed, the first num_accepted of them accepted."""
+
+    def rate(self, request_id: str) -> float:
+        """A one-number summary (position 1), for statistics."""
+        return self.rates(request_id, 1)[0]
+
+    def free(self, request_id: str) -> None:
+        """The request is gone: drop its state."""
+
+
+class GlobalEMA(AcceptanceEstimator):
+    """The TurboSpec authors' fork: one number for every request and position, a <- 0.85 a + 0.15 m / k."""
+
+    name = "global-ema"
+
+    def __init__(self, prior: float = 0.6, alpha: float = 0.15) -> None:
+        self.a = prior
+        self.alpha = alpha
+
+    def rates(self, request_id: str, k: int) -> list[float]:
+        return [_clamp(self.a)] * k
+
+    def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
+        if num_draft > 0:
+            self.a = (1 - self.alpha) * self.a + self.alpha * num_accepted / num_draft
+
+
+class RequestBeta(AcceptanceEstimator):
+    """One decayed Beta posterior per request on top of a slowly decayed global prior; flat over positions."""
+
+    name = "request-beta"
+
     def __init__(self, prior: float = 0.6, prior_strength: float = 4.0, request_decay: float = 0.8,
                  global_decay: float = 0.98) -> None:
         if not 0.0 < prior < 1.0:
@@ -39,18 +92,17 @@ class AcceptanceEstimator:
         g = self._global
         return g.success / (g.success + g.failure)
 
-    def rate(self, request_id: str) -> float:
-        """Per-token acceptance estimate for a request: its own evidence on top of the global prior."""
-        prior = self.global_rate
-        own = self._requests.get(request_id)
-        s = self.prior_strength * prior + (own.success if own else 0.0)
-        f = self.prior_strength * (1 - prior) + (own.failure if own else 0.0)
-        return min(max(s / (s + f), 1e-3), 0.999)  # keep (1 - a^(k+1)) / (1 - a) finite
+    def request_rate(self, request_id: str) -> float:
+        own = self._requests.get(request_id) or _Counts()
+        return own.rate(self.global_rate, self.prior_strength)
+
+    def rates(self, request_id: str, k: int) -> list[float]:
+        return [_clamp(self.request_rate(request_id))] * k
 
     def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         if num_draft <= 0:
             return
-        rejected = num_accepted < num_draft
+        rejected = float(num_accepted < num_draft)
         self._requests.setdefault(request_id, _Counts()).add(num_accepted, rejected, self.request_decay)
         self._global.add(num_accepted, rejected, self.global_decay)
 
@@ -58,8 +110,73 @@ class AcceptanceEstimator:
         self._requests.pop(request_id, None)
 
 
-def expected_tokens(a: float, k: int) -> float:
-    """Tokens emitted by verifying k drafts with per-token acceptance a, the bonus token included."""
-    if a >= 1.0:
-        return float(k + 1)
-    return (1.0 - a ** (k + 1)) / (1.0 - a)
+class PositionBeta(RequestBeta):
+    """RequestBeta's per-request level, shaped by a global per-position profile.
+
+    Acceptance usually falls with position (REFERENCE.md section 2): a_ij = request_rate_i x g_j / g, where g_j
+    is the global conditional acceptance at position j and g the global rate. The per-position shape is
+    learned from every request, the level per request, so neither needs much data.
+    """
+
+    name = "position-beta"
+
+    def __init__(self, prior: float = 0.6, prior_strength: float = 4.0, request_decay: float = 0.4,
+                 global_decay: float = 0.98, max_positions: int = 16) -> None:
+        # request_decay 0.4: acceptance is strongly autocorrelated (a copying stretch, then none), so the
+        # recent outcome predicts best; benchmarks/results/acceptance_estimators.md scores 0.2 .. 0.95
+        super().__init__(prior, prior_strength, request_decay, global_decay)
+        self._positions = [_Counts() for _ in range(max_positions)]
+
+    def rates(self, request_id: str, k: int) -> list[float]:
+        level = self.request_rate(request_id)
+        g = self.global_rate
+        out = []
+        for j in range(k):
+            counts = self._positions[min(j, len(self._positions) - 1)]
+            out.append(_clamp(level * counts.rate(g, self.prior_strength) / g))
+        return out
+
+    def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
+        super().observe(request_id, num_draft, num_accepted)
+        # position j (0-based) was reached iff the first j drafts were accepted
+        for j in range(min(num_draft, num_accepted + 1, len(self._positions))):
+            accepted = j < num_accepted
+            self._positions[j].add(float(accepted), float(not accepted), self.global_decay)
+
+
+ESTIMATORS: dict[str, type[AcceptanceEstimator]] = {
+    e.name: e for e in (GlobalEMA, RequestBeta, PositionBeta)
+}
+DEFAULT_ESTIMATOR = "position-beta"
+
+
+def make_estimator(name: str = DEFAULT_ESTIMATOR, prior: float = 0.6) -> AcceptanceEstimator:
+    if name not in ESTIMATORS:
+        raise ValueError(f"unknown acceptance estimator {name!r}: expected one of {', '.join(ESTIMATORS)}")
+    return ESTIMATORS[name](prior=prior)
+
+
+def expected_tokens(a: float | list[float], k: int) -> float:
+    """Tokens emitted by verifying k drafts, the bonus token included.
+
+    With one rate a for every position this is (1 - a^(k+1)) / (1 - a); with conditional rates per position
+    it is 1 + a1 + a1 a2 + ... + a1 ... ak."""
+    if isinstance(a, (int, float)):
+        if a >= 1.0:
+            return float(k + 1)
+        return (1.0 - a ** (k + 1)) / (1.0 - a)
+    total, reach = 1.0, 1.0
+    for j in range(k):
+        reach *= a[j]
+        total += reach
+    return total
+
+
+def outcome_probability(rates: list[float], num_draft: int, num_accepted: int) -> float:
+    """P(exactly num_accepted of num_draft drafts accepted) under conditional per-position rates."""
+    p = 1.0
+    for j in range(num_accepted):
+        p *= rates[j]
+    if num_accepted < num_draft:
+        p *= 1.0 - rates[num_accepted]
+    return p

@@ -1,22 +1,23 @@
 """The goodput choice: each step, give every decoding request the draft length k_i that maximises the batch's
 expected emitted tokens per second of predicted step time (TurboSpec, arXiv 2406.14066).
 
-The expected tokens of request i are (1 - a_i^(k_i+1)) / (1 - a_i). Lengthening one draft from k to k+1
-adds a_i^(k+1) expected tokens, and that gain shrinks as k grows. Step time rises with every verified and
-drafted token. So a greedy marginal allocation finds the optimum: repeatedly lengthen the draft whose next
-token has the best chance of being accepted, and stop once goodput no longer improves. k = 0 for every
-request is a valid answer.
+Request i emits 1 + a_i1 + a_i1 a_i2 + ... tokens for k_i drafts (conditional acceptance a_ij per position).
+Lengthening its draft from k to k+1 adds a_i1 ... a_i(k+1) expected tokens, a gain that only shrinks as k
+grows. So a greedy pass visits the draft tokens in order of decreasing gain (a heap), and the best prefix of
+that order is the allocation. The pass does not stop at the first token that fails to pay: a draft model's
+cost jumps when the longest draft grows (one more draft forward for the whole batch), so a prefix that loses
+at first can win a few tokens later. k = 0 for every request is always a candidate.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import heapq
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from .acceptance import expected_tokens
-
-# Predicted step time (seconds) for draft lengths ks; the caller closes over the step's other contents.
-StepCost = Callable[[list[int]], float]
+# Predicted step time (s) from the speculative part of the step: (sum of k_i, max k_i, sum of k_i x context_i).
+# The caller closes over everything else in the step (prefill chunks, decodes, KV).
+StepCost = Callable[[int, int, int], float]
 
 
 @dataclass
@@ -27,31 +28,55 @@ class Choice:
 
     @property
     def goodput(self) -> float:
-        return self.expected_tokens / self.predicted_time
+        return self.expected_tokens / self.predicted_time if self.predicted_time > 0 else float("inf")
 
 
-def choose_lengths(acceptance: list[float], k_max: list[int], cost: StepCost, min_gain: float = 0.0) -> Choice:
+def choose_lengths(rates: list[list[float]], k_max: list[int], cost: StepCost,
+                   contexts: list[int] | None = None, min_gain: float = 0.0, max_total: int | None = None,
+                   search_depth: bool = False) -> Choice:
     """Draft lengths for one step.
 
-    Speculation must beat plain decoding by a factor (1 + min_gain) to be used at all (hysteresis against
-    flapping on noise).
+    rates[i][j] is request i's conditional acceptance at position j + 1 (len >= k_max[i]); contexts[i] its
+    context length; max_total caps the sum of k_i (the step's spare token budget). Speculation must beat plain
+    decoding by a factor (1 + min_gain) to be used at all.
+
+    search_depth: the cost jumps with the longest draft (a draft model's forwards). Then one greedy pass per
+    depth cap K = 1..max(k_max) is run, each with k_i <= K, and the best is kept: within a cap the cost is
+    linear again, so the greedy order is right.
     """
-    ks = [0] * len(acceptance)
-    tokens = float(len(acceptance))
-    plain = Choice(list(ks), tokens, cost(ks))
+    n = len(rates)
+    contexts = contexts or [0] * n
+    plain = Choice([0] * n, float(n), cost(0, 0, 0))
     best = plain
-    while True:
-        open_ = [i for i in range(len(ks)) if ks[i] < k_max[i]]
-        if not open_:
-            break
-        i = max(open_, key=lambda j: acceptance[j] ** (ks[j] + 1))
-        trial = list(ks)
-        trial[i] += 1
-        gain = expected_tokens(acceptance[i], trial[i]) - expected_tokens(acceptance[i], ks[i])
-        candidate = Choice(trial, tokens + gain, cost(trial))
-        if candidate.goodput <= best.goodput:
-            break
-        ks, tokens, best = trial, tokens + gain, candidate
+    caps = range(1, max(k_max, default=0) + 1) if search_depth else [max(k_max, default=0)]
+    for cap in caps:
+        candidate = _greedy(rates, [min(k, cap) for k in k_max], cost, contexts, max_total)
+        if candidate.goodput > best.goodput:
+            best = candidate
     if best.goodput < plain.goodput * (1.0 + min_gain):
         return plain
+    return best
+
+
+def _greedy(rates: list[list[float]], k_max: list[int], cost: StepCost, contexts: list[int],
+            max_total: int | None) -> Choice:
+    """The best prefix of the draft tokens taken in order of decreasing expected gain."""
+    n = len(rates)
+    ks = [0] * n
+    best = Choice(list(ks), float(n), cost(0, 0, 0))
+    heap = [(-rates[i][0], i) for i in range(n) if k_max[i] > 0]
+    heapq.heapify(heap)
+    tokens, sum_k, max_k, sum_kctx = float(n), 0, 0, 0
+    while heap and (max_total is None or sum_k < max_total):
+        neg_gain, i = heapq.heappop(heap)
+        ks[i] += 1
+        tokens -= neg_gain
+        sum_k += 1
+        max_k = max(max_k, ks[i])
+        sum_kctx += contexts[i]
+        t = cost(sum_k, max_k, sum_kctx)
+        if t > 0 and tokens / t > best.goodput:
+            best = Choice(list(ks), tokens, t)
+        if ks[i] < k_max[i]:
+            heapq.heappush(heap, (neg_gain * rates[i][ks[i]], i))
     return best

@@ -23,6 +23,10 @@ class Proposer(ABC):
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Draft]:
         """Draft at most num_tokens[i] tokens for requests[i] (fewer, even none, is allowed)."""
 
+    def tokens_to_process(self, requests: list[Request], num_tokens: list[int]) -> int:
+        """Tokens a model-based proposer will run through its model to draft these (for the step-time model)."""
+        return 0
+
     def on_verified(self, request: Request, num_accepted: int) -> None:
         """Called after the target verified this request's draft and committed num_accepted of its tokens."""
 

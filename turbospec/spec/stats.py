@@ -13,6 +13,18 @@ class SpecDecodingStats:
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     num_draft_tokens_per_pos: list[int] = field(default_factory=list)
+    # how often each draft length was verified, over every decoding request-step (k = 0 included)
+    k_histogram: list[int] = field(default_factory=list)
+
+    def observe_choice(self, k: int) -> None:
+        if k >= len(self.k_histogram):
+            self.k_histogram += [0] * (k + 1 - len(self.k_histogram))
+        self.k_histogram[k] += 1
+
+    @property
+    def mean_k(self) -> float:
+        n = sum(self.k_histogram)
+        return sum(k * c for k, c in enumerate(self.k_histogram)) / n if n else 0.0
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
         """One request's verification: num_draft proposed tokens, the first num_accepted of them accepted."""
@@ -42,6 +54,7 @@ class SpecDecodingStats:
         out = asdict(self)
         out["acceptance_rate"] = self.acceptance_rate
         out["mean_accepted_length"] = self.mean_accepted_length
+        out["mean_k"] = self.mean_k
         out["acceptance_by_position"] = [
             a / d if d else 0.0 for a, d in zip(self.num_accepted_tokens_per_pos, self.num_draft_tokens_per_pos)
         ]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # A residual with less mass than this is float noise from p == q: rejection
@@ -184,3 +185,22 @@ def greedy_verify(target_argmax: list[list[int]], draft_tokens: list[list[int]])
         tokens.append(list(drafts[:n]) + [target[n]])
         num_accepted.append(n)
     return VerifyOutput(tokens=tokens, num_accepted=num_accepted)
+
+
+def synthetic_verify(probs: torch.Tensor, row_start: list[int], draft_tokens: list[list[int]], rate: float,
+                     rng: np.random.Generator) -> tuple[list[list[int]], list[int]]:
+    """For studies (TurboSpec's microbenchmarks): accept each draft with probability `rate`, whatever it is.
+
+    The first rejected position (or the bonus row) emits the target's argmax there. The KV of the accepted
+    drafts was computed for exactly those tokens, so the cache stays consistent; only the text is not the
+    model's.
+    """
+    accepted = []
+    for drafts in draft_tokens:
+        m = 0
+        while m < len(drafts) and rng.random() < rate:
+            m += 1
+        accepted.append(m)
+    rows = torch.tensor([row + m for row, m in zip(row_start, accepted)], device=probs.device)
+    final = probs[rows].argmax(dim=-1).tolist()
+    return [list(d[:m]) + [t] for d, m, t in zip(draft_tokens, accepted, final)], accepted

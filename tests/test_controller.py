@@ -1,0 +1,168 @@
+"""The goodput controller inside the engine: greedy output equal to plain decoding, the choice following
+synthetic acceptance, the step-time model learning online, the profile cache and the user-facing options."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from turbospec import LLM, SamplingParams
+from turbospec.config import SpeculativeConfig
+from turbospec.control.profiler import profile_key, profile_path
+from turbospec.control.step_time import LinearPart, StepTimeModel
+
+from spec_prompts import SPEC_PROMPTS
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+PROMPTS = [p for p in SPEC_PROMPTS if "robot" not in p]  # four: the controller tests run several engines
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+def _llm(**kw) -> LLM:
+    return LLM(MODEL, dtype="float32", num_threads=1, progress=False, **kw)
+
+
+def _model(per_token: float, per_draft_step: float = 0.0) -> StepTimeModel:
+    """A known step-time model: 10 ms plus per_token for every batched token (and per draft forward). It is
+    never refitted online, so the choice follows it and nothing else."""
+    return StepTimeModel({"target": LinearPart(("one", "tokens"), (0.01, per_token)),
+                          "draft": LinearPart(("draft_steps",), (per_draft_step,)),
+                          "overhead": LinearPart()}, refit_every=10**9)
+
+
+@pytest.fixture(scope="module")
+def plain() -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in _llm().generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("config", [
+    {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    {"method": "draft", "model": MODEL},
+], ids=["ngram", "draft"])
+def test_adaptive_greedy_output_equals_plain_decoding(config, plain):
+    llm = _llm(speculative_config=config)
+    engine = llm.engine
+    assert engine.spec_mode == "auto"  # the default whenever speculation is configured
+    engine.controller.model = _model(per_token=1e-4)  # speculation nearly free: the controller drafts deeply
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    stats = llm.spec_stats()
+    assert stats["num_drafts"] > 0 and stats["mean_k"] > 1.0, stats
+    assert engine.blocks.num_free_blocks == engine.kv.num_blocks
+
+
+def _mean_k(rate: float, model: StepTimeModel) -> float:
+    llm = _llm(speculative_config={"method": "ngram", "synthetic_acceptance": rate, "prompt_lookup_min": 1})
+    llm.engine.controller.model = model
+    llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
+    return llm.spec_stats()["mean_k"]
+
+
+def test_choice_follows_synthetic_acceptance():
+    # every batched token costs as much as the 10 ms base: a = 0.95 is worth ~4 drafts, a = 0.05 none
+    model = _model(per_token=0.01)
+    high, low = _mean_k(0.95, model), _mean_k(0.05, model)
+    assert high >= 2.0 and low <= 0.5, (high, low)
+
+
+def test_steep_cost_turns_speculation_off_and_flat_cost_on():
+    assert _mean_k(0.8, _model(per_token=0.2)) == 0.0
+    # k is capped by what the lookup finds (often nothing after a synthetic rejection), so not 8 on average
+    assert _mean_k(0.8, _model(per_token=1e-5)) >= 0.5
+
+
+def test_fixed_k_with_synthetic_acceptance_accepts_at_that_rate():
+    llm = _llm(speculative_config={"method": "ngram", "num_speculative_tokens": 4, "synthetic_acceptance": 1.0,
+                                   "prompt_lookup_min": 1})
+    llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)
+    assert llm.spec_stats()["acceptance_rate"] == 1.0
+    llm.engine.synthetic_acceptance = 0.0
+    llm.engine.reset_spec_stats()
+    llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)
+    stats = llm.spec_stats()
+    assert stats["num_draft_tokens"] > 0 and stats["num_accepted_tokens"] == 0
+
+
+def test_controller_reports_its_choices_and_cost_and_learns_step_time(plain):
+    llm = _llm(speculative_config={"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    engine = llm.engine
+    wrong = _model(per_token=0.5)  # 50x too slow: online refits must pull predictions toward measurements
+    wrong.samples = list(engine.controller.model.samples)
+    wrong.refit_every = 8
+    engine.controller.model = wrong
+    engine.record_history = True
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    stats = llm.spec_stats()
+    ctrl = stats["controller"]
+    assert stats["policy"] == "auto" and sum(stats["k_histogram"]) > 0
+    assert 0 < ctrl["controller_overhead"] < 0.02, ctrl  # the choice costs under 2% of step time
+    hist = engine.controller_history
+    assert len(hist) > 20
+    first, last = hist[2], hist[-1]
+    err = lambda h: abs(h["predicted_s"] - h["measured_s"]) / h["measured_s"]  # noqa: E731
+    assert err(last) < err(first)
+
+
+def test_set_speculation_switches_policies_and_validates():
+    llm = _llm(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    engine = llm.engine
+    assert engine.spec_mode == 2 and engine.controller is None
+    engine.set_speculation(0)
+    llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)
+    assert llm.spec_stats()["num_drafts"] == 0 and llm.spec_stats()["mean_k"] == 0.0
+    engine.set_speculation("auto")  # builds the controller (from the cached or a brief profile)
+    assert engine.controller is not None
+    for bad in (-1, "fast", 1.5, True):
+        with pytest.raises(ValueError, match="speculation must be"):
+            engine.set_speculation(bad)
+    with pytest.raises(ValueError, match="no speculative_config"):
+        _llm().engine.set_speculation(2)
+
+
+def test_profile_is_cached_per_model_dtype_threads_and_hardware():
+    llm = _llm(speculative_config={"method": "ngram"})
+    key = profile_key(llm.engine)
+    assert {"model", "dtype", "threads", "hardware", "speculation"} <= set(key)
+    path = profile_path(key)
+    assert path.is_file()
+    cached = StepTimeModel.load(path)
+    assert cached is not None and len(cached.samples) > 10
+    other = dict(key, threads=str(int(key["threads"]) + 1))
+    assert profile_path(other) != path
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"method": "ngram", "num_speculative_tokens": "fast"}, "num_speculative_tokens"),
+    ({"method": "ngram", "max_speculative_tokens": 0}, "max_speculative_tokens"),
+    ({"method": "ngram", "synthetic_acceptance": 1.5}, "synthetic_acceptance"),
+    ({"method": "ngram", "acceptance_estimator": "oracle"}, "unknown acceptance_estimator"),
+])
+def test_invalid_controller_options_are_refused(config, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(config)
+
+
+def test_cli_profile_writes_the_cache_and_refuses_bad_input(tmp_path):
+    env = {"TURBOSPEC_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    import os
+    env = {**os.environ, **env}
+    # the model file comes from the normal cache: point at it by path
+    from turbospec.models.registry import gguf_path
+    model = str(gguf_path(MODEL))
+    ok = subprocess.run([sys.executable, "-m", "turbospec.cli", "profile", "--model", model, "--grid", "brief",
+                         "--dtype", "float32", "--num-threads", "1", "--speculative-config", '{"method": "ngram"}'],
+                        capture_output=True, text=True, env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert "held-out MRE" in ok.stdout and "R^2" in ok.stdout
+    saved = list((tmp_path / "profiles").glob("*.json"))
+    assert len(saved) == 1 and json.loads(saved[0].read_text())["samples"]
+    bad = subprocess.run([sys.executable, "-m", "turbospec.cli", "profile", "--model", model,
+                          "--speculative-config", '{"method": "ngram", "max_speculative_tokens": -2}'],
+                         capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "max_speculative_tokens" in bad.stderr and "Traceback" not in bad.stderr

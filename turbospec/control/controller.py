@@ -1,0 +1,133 @@
+"""The goodput controller, between the scheduler and the proposer: each step it turns the step-time model and
+the acceptance estimates into a draft length per decoding request.
+
+It is asked before the scheduler hands out tokens (``choose``), learns from every verification (``observe``)
+and from every measured step (``observe_step``, which also refits the step-time model online).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from .acceptance import AcceptanceEstimator
+from .goodput import Choice, StepCost, choose_lengths
+from .step_time import StepFeatures, StepTimeModel
+
+# Speculation is switched on only when it beats plain decoding by this factor, and switched off as soon as
+# it stops beating it: a Schmitt trigger against flapping on estimation noise (the authors' fork uses 10%).
+SWITCH_ON_GAIN = 0.10
+
+
+@dataclass
+class Candidate:
+    """One decoding request as the controller sees it."""
+
+    request_id: str
+    k_max: int  # the most drafts it may verify: the cap, the tokens left, or the n-gram match length
+    context: int  # its context length
+
+
+def spec_cost(model: StepTimeModel, base: StepFeatures) -> StepCost:
+    """Predicted step time as a function of the speculative part only, with everything else fixed at `base`.
+
+    Each draft token adds one verified token and one draft token and attends to its request's context; the
+    longest draft sets the number of draft forwards. Evaluated hundreds of times per step, so the features
+    are resolved once here into (coefficient, how it moves) terms.
+    """
+    terms: list[tuple[float, str, float]] = []  # (coef, delta kind, base value)
+    for part in model.parts.values():
+        for name, coef in zip(part.columns, part.coef):
+            if name == "one" or name == "batch":
+                terms.append((coef, "const", 1.0 if name == "one" else float(base.batch)))
+            elif name in ("tokens", "kv", "spec_tokens", "draft_tokens"):
+                terms.append((coef, "sum_k", float(getattr(base, name))))
+            elif name in ("attn", "draft_kv"):
+                terms.append((coef, "sum_kctx", float(getattr(base, name))))
+            elif name == "draft_steps":
+                terms.append((coef, "max_k", float(base.draft_steps)))
+            elif name == "drafting":
+                terms.append((coef, "drafting", 0.0))
+            elif name.startswith("hinge"):
+                terms.append((coef, "hinge", float(base.tokens - int(name[5:]))))
+    const = sum(c * v for c, kind, v in terms if kind == "const")
+
+    def cost(sum_k: int, max_k: int, sum_kctx: int) -> float:
+        t = const
+        for c, kind, v in terms:
+            if kind == "sum_k":
+                t += c * (v + sum_k)
+            elif kind == "sum_kctx":
+                t += c * (v + sum_kctx)
+            elif kind == "max_k":
+                t += c * (v + max_k)
+            elif kind == "drafting":
+                t += c * (max_k > 0)
+            elif kind == "hinge":
+                t += c * max(0.0, v + sum_k)
+        return max(t, 1e-6)
+
+    return cost
+
+
+@dataclass
+class ControllerStats:
+    num_choices: int = 0  # steps with at least one decoding request
+    controller_s: float = 0.0  # time spent choosing
+    measured_s: float = 0.0  # measured time of those steps
+    predicted_s: float = 0.0  # the model's prediction for the same steps, from what they actually ran
+    abs_error_s: float = 0.0
+    last_acceptance: float | None = None  # mean estimate over the requests of the last choice
+
+    def as_dict(self) -> dict[str, float | None]:
+        n = max(self.num_choices, 1)
+        return {
+            "controller_overhead": self.controller_s / self.measured_s if self.measured_s else 0.0,
+            "mean_predicted_step_s": self.predicted_s / n,
+            "mean_measured_step_s": self.measured_s / n,
+            "step_time_mean_relative_error": self.abs_error_s / self.measured_s if self.measured_s else 0.0,
+            "acceptance_estimate": self.last_acceptance,
+        }
+
+
+class GoodputController:
+    def __init__(self, model: StepTimeModel, estimator: AcceptanceEstimator, switch_on_gain: float = SWITCH_ON_GAIN
+                 ) -> None:
+        self.model = model
+        self.estimator = estimator
+        self.switch_on_gain = switch_on_gain
+        self.speculating = False
+        self.stats = ControllerStats()
+        self.last_choice: Choice | None = None
+        draft = model.parts.get("draft")
+        # a per-draft-forward cost makes the longest draft matter: search over depth caps (see choose_lengths)
+        self._depth_costs = draft is not None and any(c in ("draft_steps", "drafting") for c in draft.columns)
+
+    def choose(self, candidates: list[Candidate], base: StepFeatures, max_total: int | None = None) -> list[int]:
+        """Draft lengths for this step's decoding requests; `base` is the step without any drafts, max_total
+        the token budget the drafts may use."""
+        start = time.perf_counter()
+        rates = [self.estimator.rates(c.request_id, c.k_max) if c.k_max > 0 else [0.0] for c in candidates]
+        choice = choose_lengths(rates, [c.k_max for c in candidates], spec_cost(self.model, base),
+                                [c.context for c in candidates],
+                                min_gain=0.0 if self.speculating else self.switch_on_gain, max_total=max_total,
+                                search_depth=self._depth_costs)
+        self.speculating = any(choice.ks)
+        self.last_choice = choice
+        drafting = [r[0] for r, c in zip(rates, candidates) if c.k_max > 0]
+        self.stats.last_acceptance = sum(drafting) / len(drafting) if drafting else self.stats.last_acceptance
+        self.stats.controller_s += time.perf_counter() - start
+        return choice.ks
+
+    def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
+        self.estimator.observe(request_id, num_draft, num_accepted)
+
+    def free(self, request_id: str) -> None:
+        self.estimator.free(request_id)
+
+    def record_step(self, predicted_s: float, measured_s: float) -> None:
+        s = self.stats
+        s.num_choices += 1
+        s.predicted_s += predicted_s
+        s.measured_s += measured_s
+        s.abs_error_s += abs(predicted_s - measured_s)

@@ -1,0 +1,157 @@
+"""Profile the real engine's step time over a grid and cache the fitted model per model, dtype, threads and
+hardware (``turbospec profile``, or a brief run the first time the controller needs one).
+
+Every grid point runs real ``engine.step()`` calls: B requests sharing one prompt of C tokens (the prefix
+cache makes all but the first prefill nearly free), each verifying k drafts per step. Every step the engine
+runs is a sample, the prefill chunks included, so the fit also covers prefill-heavy steps. During profiling:
+- acceptance is synthetic and 0, so contexts grow one token per step whatever the drafts say;
+- the n-gram proposer is replaced by one that always proposes k tokens. Real lookups often find no match,
+  and the verify cost does not depend on the draft's values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm import tqdm
+
+from ..models.registry import turbospec_home
+from ..request import Request
+from ..sampling_params import SamplingParams
+from ..spec.proposer import Draft, Proposer
+from .step_time import StepSample, StepTimeModel
+
+if TYPE_CHECKING:
+    from ..engine import LLMEngine
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    batch_sizes: tuple[int, ...]
+    contexts: tuple[int, ...]
+    ks: tuple[int, ...]
+    repeats: int  # steps measured per (B, C, k)
+
+
+GRIDS = {
+    "brief": ProfileGrid((1, 4, 12), (128,), (0, 2, 6), 2),
+    "full": ProfileGrid((1, 2, 4, 8, 16, 32), (64, 512, 1024), (0, 1, 2, 4, 8), 3),
+}
+
+
+class RepeatProposer(Proposer):
+    """Proposes k copies of the last token: a stand-in whose only job is to fill k verify slots."""
+
+    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Draft]:
+        return [Draft([r.all_token_ids[-1]] * k) for r, k in zip(requests, num_tokens)]
+
+
+def hardware_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def profile_key(engine: LLMEngine) -> dict[str, str]:
+    spec = engine.spec
+    return {
+        "model": engine.config.model,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "threads": str(engine.config.threads),
+        "hardware": hardware_name(engine.config.device),
+        "torch": torch.__version__,
+        "speculation": "none" if spec is None else spec.method + (f":{spec.model}" if spec.model else ""),
+    }
+
+
+def profile_path(key: dict[str, str]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", key["model"])[-48:]
+    return turbospec_home() / "profiles" / f"{stem}-{key['dtype']}-t{key['threads']}-{digest}.json"
+
+
+def _grid_points(engine: LLMEngine, grid: ProfileGrid) -> list[tuple[int, int]]:
+    """(context, batch) pairs that fit the engine's limits."""
+    k_max = max(grid.ks)
+    steps = len(grid.ks) * (grid.repeats + 1) + 4
+    points = []
+    for ctx in grid.contexts:
+        if ctx + steps * (k_max + 1) + 2 > engine.max_model_len:
+            continue
+        for b in grid.batch_sizes:
+            per_seq = -(-(ctx + steps * (k_max + 1) + 2) // engine.config.block_size)
+            if b <= engine.config.max_num_seqs and b * per_seq <= engine.kv.num_blocks:
+                points.append((ctx, b))
+    return points
+
+
+def profile_engine(engine: LLMEngine, grid: ProfileGrid, progress: bool = True, seed: int = 0) -> list[StepSample]:
+    """Run the grid on an idle engine and return every step's sample. The engine is left idle as found."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("profiling needs an idle engine")
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    saved = (engine.proposer, engine.synthetic_acceptance, engine.spec_mode)
+    if engine.spec is not None and engine.spec.method == "ngram":
+        engine.proposer = RepeatProposer()
+    engine.synthetic_acceptance = 0.0
+    samples: list[StepSample] = []
+    points = _grid_points(engine, grid)
+    ks = grid.ks if engine.proposer is not None else (0,)
+    bar = tqdm(total=len(points) * len(ks), desc="profiling step time", unit="pt", disable=not progress)
+
+    def step() -> None:
+        engine.step()
+        if engine.last_sample is not None:
+            samples.append(engine.last_sample)
+
+    try:
+        for ctx, batch in points:
+            prefix = [rng.randrange(vocab) for _ in range(ctx)]
+            params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - ctx - 1, ignore_eos=True)
+            ids = [engine.add_request(prefix + [rng.randrange(vocab)], params)]
+            while engine.requests[ids[0]].is_prefilling or engine.requests[ids[0]].num_computed_tokens == 0:
+                step()  # the first prefill fills the prefix cache for the others
+            ids += [engine.add_request(prefix + [rng.randrange(vocab)], params) for _ in range(batch - 1)]
+            while any(engine.requests[r].is_prefilling or engine.requests[r].num_computed_tokens == 0 for r in ids):
+                step()
+            for k in ks:
+                engine.set_speculation(k)
+                for _ in range(grid.repeats):
+                    step()
+                bar.update(1)
+            for rid in ids:
+                engine.abort_request(rid)
+    finally:
+        bar.close()
+        for rid in list(engine.requests):
+            engine.abort_request(rid)
+        engine.proposer, engine.synthetic_acceptance, engine.spec_mode = saved
+    return samples
+
+
+def build_model(engine: LLMEngine, grid: ProfileGrid, progress: bool = True) -> StepTimeModel:
+    key = profile_key(engine)
+    model = StepTimeModel.fit(profile_engine(engine, grid, progress), key)
+    model.save(profile_path(key))
+    return model
+
+
+def load_or_profile(engine: LLMEngine, progress: bool = True, grid: str = "brief") -> StepTimeModel:
+    """The cached model for this engine, or a brief profile (saved for next time) when there is none."""
+    model = StepTimeModel.load(profile_path(profile_key(engine)))
+    return model if model is not None else build_model(engine, GRIDS[grid], progress)

@@ -1,0 +1,253 @@
+"""The step-time model: predicted seconds for one engine step from what the step contains.
+
+A step has three parts, each a least-squares fit on its own features:
+- target: the target model's forward over every batched token (prefill chunks, decodes, drafts);
+- draft: the draft model's k autoregressive steps (zero for n-gram, whose proposals are nearly free);
+- overhead: scheduling, sampling, verification and bookkeeping.
+
+For each part several feature sets are tried. The one with the lowest held-out relative error (5-fold)
+wins. On this CPU a kinked form ("hinge": flat while weight-bandwidth bound, then linear in tokens) often
+beats a single line, which is why the knot is part of the search. Fits minimise relative error: step times
+span two orders of magnitude, and the controller compares ratios.
+
+The profile's samples are kept. Online, every measured step is added to a bounded window and the chosen forms
+are refitted every `refit_every` steps, so the model follows drift (thermal, other tenants). This improves
+accuracy only; any model, however stale, gives correct outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+PARTS = ("target", "draft", "overhead")
+
+
+@dataclass
+class StepFeatures:
+    """What one step computes. Built by the engine from the scheduler's output and the drafts."""
+
+    batch: int = 0  # requests in the target forward
+    tokens: int = 0  # batched target tokens: prefill chunks + decodes + draft tokens verified
+    kv: int = 0  # sum of context lengths after the step
+    attn: int = 0  # sum over requests of query tokens x context length (attention work)
+    spec_tokens: int = 0  # sum of k_i
+    draft_steps: int = 0  # max k_i: autoregressive draft forwards
+    draft_tokens: int = 0  # tokens the draft model processes (catch-up + k_i - 1 per drafting request)
+    draft_kv: int = 0  # sum over drafting requests of k_i x context length
+
+
+@dataclass
+class StepSample:
+    features: StepFeatures
+    target_s: float
+    draft_s: float
+    overhead_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.target_s + self.draft_s + self.overhead_s
+
+    def part(self, name: str) -> float:
+        return {"target": self.target_s, "draft": self.draft_s, "overhead": self.overhead_s}[name]
+
+
+def _feature(f: StepFeatures, name: str) -> float:
+    """Named columns; 'hinge<N>' is max(0, tokens - N), 'one' the intercept, 'drafting' 1 if any draft."""
+    if name == "one":
+        return 1.0
+    if name == "drafting":
+        return 1.0 if f.draft_steps > 0 else 0.0
+    if name.startswith("hinge"):
+        return float(max(0, f.tokens - int(name[5:])))
+    return float(getattr(f, name))
+
+
+HINGE_KNOTS = (4, 8, 16, 32, 64, 128)
+CANDIDATES: dict[str, list[tuple[str, ...]]] = {
+    "target": [
+        ("one", "tokens"),
+        ("one", "tokens", "kv"),
+        ("one", "batch", "tokens", "kv"),
+        ("one", "batch", "tokens", "kv", "attn"),
+        *[("one", "tokens", f"hinge{k}", "kv") for k in HINGE_KNOTS],
+        *[("one", "tokens", f"hinge{k}", "kv", "attn") for k in HINGE_KNOTS],
+    ],
+    "draft": [
+        ("draft_steps", "draft_tokens"),
+        ("draft_steps", "draft_tokens", "draft_kv"),
+        ("drafting", "draft_steps", "draft_tokens", "draft_kv"),
+    ],
+    "overhead": [
+        ("one", "batch"),
+        ("one", "batch", "spec_tokens"),
+        ("one", "batch", "spec_tokens", "tokens"),
+    ],
+}
+
+
+@dataclass
+class LinearPart:
+    """time = sum(coef * feature), never below zero."""
+
+    columns: tuple[str, ...] = ()
+    coef: tuple[float, ...] = ()
+
+    def predict(self, f: StepFeatures) -> float:
+        return max(0.0, sum(c * _feature(f, n) for n, c in zip(self.columns, self.coef)))
+
+
+def _design(samples: list[StepFeatures], columns: tuple[str, ...]) -> np.ndarray:
+    return np.array([[_feature(s, c) for c in columns] for s in samples], dtype=np.float64)
+
+
+def _fit(x: np.ndarray, y: np.ndarray, weight: np.ndarray | None = None) -> np.ndarray:
+    """Least squares in relative error: each row weighted by 1 / y (floored so near-zero times do not dominate)."""
+    w = 1.0 / np.maximum(y, max(float(np.median(y)) * 0.05, 1e-5))
+    if weight is not None:
+        w = w * weight
+    coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
+    return coef
+
+
+def _relative_error(pred: np.ndarray, y: np.ndarray) -> float:
+    return float(np.mean(np.abs(np.maximum(pred, 0.0) - y) / np.maximum(y, 1e-6)))
+
+
+def _r2(pred: np.ndarray, y: np.ndarray) -> float:
+    ss = float(np.sum((y - y.mean()) ** 2))
+    return 1.0 - float(np.sum((y - pred) ** 2)) / ss if ss > 0 else 1.0
+
+
+@dataclass
+class FitReport:
+    part: str
+    columns: tuple[str, ...]
+    heldout_mre: float  # mean relative error on held-out folds
+    r2: float  # in-sample
+    num_samples: int
+
+    def line(self) -> str:
+        return (f"{self.part:8s} {' + '.join(self.columns):42s} held-out MRE {self.heldout_mre * 100:5.1f}%  "
+                f"R^2 {self.r2:.3f}  ({self.num_samples} steps)")
+
+
+def select_form(samples: list[StepSample], part: str, folds: int = 5, seed: int = 0) -> tuple[LinearPart, FitReport]:
+    """Fit every candidate feature set for `part`, keep the one with the lowest held-out relative error."""
+    feats = [s.features for s in samples]
+    y = np.array([s.part(part) for s in samples], dtype=np.float64)
+    if part == "draft" and not np.any(y > 0):
+        return LinearPart(), FitReport(part, (), 0.0, 1.0, len(samples))
+    order = np.random.default_rng(seed).permutation(len(samples))
+    fold_of = np.empty(len(samples), dtype=np.int64)
+    fold_of[order] = np.arange(len(samples)) % folds
+    best: tuple[float, tuple[str, ...]] | None = None
+    for columns in CANDIDATES[part]:
+        x = _design(feats, columns)
+        if np.linalg.matrix_rank(x) < len(columns):
+            continue  # a column the profile never varied: its coefficient would be arbitrary
+        errors = []
+        for k in range(folds):
+            train, test = fold_of != k, fold_of == k
+            if test.any() and train.sum() > len(columns):
+                errors.append(_relative_error(x[test] @ _fit(x[train], y[train]), y[test]))
+        err = float(np.mean(errors)) if errors else math.inf
+        if best is None or err < best[0] - 1e-9:
+            best = (err, columns)
+    if best is None:  # too few samples for any form: a constant
+        mean = float(y.mean()) if len(y) else 0.0
+        return LinearPart(("one",), (mean,)), FitReport(part, ("one",), math.inf, 0.0, len(samples))
+    columns = best[1]
+    x = _design(feats, columns)
+    coef = _fit(x, y)
+    return LinearPart(columns, tuple(float(c) for c in coef)), FitReport(part, columns, best[0], _r2(x @ coef, y),
+                                                                         len(samples))
+
+
+@dataclass
+class StepTimeModel:
+    parts: dict[str, LinearPart] = field(default_factory=dict)
+    reports: list[FitReport] = field(default_factory=list)
+    samples: list[StepSample] = field(default_factory=list)  # the profile's
+    key: dict[str, str] = field(default_factory=dict)  # model, dtype, threads, hardware the profile was made on
+    refit_every: int = 32
+    window: int = 256
+
+    def __post_init__(self) -> None:
+        self._online: deque[StepSample] = deque(maxlen=self.window)
+        self._since_refit = 0
+
+    @classmethod
+    def fit(cls, samples: list[StepSample], key: dict[str, str] | None = None) -> StepTimeModel:
+        parts, reports = {}, []
+        for name in PARTS:
+            parts[name], report = select_form(samples, name)
+            reports.append(report)
+        return cls(parts, reports, list(samples), dict(key or {}))
+
+    def predict(self, f: StepFeatures) -> float:
+        return sum(self.parts[p].predict(f) for p in PARTS if p in self.parts)
+
+    def predict_part(self, part: str, f: StepFeatures) -> float:
+        return self.parts[part].predict(f) if part in self.parts else 0.0
+
+    def observe(self, sample: StepSample) -> None:
+        """Add a measured step; refit the chosen forms on profile + recent steps every `refit_every` steps."""
+        self._online.append(sample)
+        self._since_refit += 1
+        if self._since_refit >= self.refit_every:
+            self._since_refit = 0
+            self.refit()
+
+    def refit(self) -> None:
+        """Refit on the profile and the online window. As the window fills, the profile's weight falls to a
+        tenth: recent steps decide where the engine actually runs, the profile still anchors the rest."""
+        data = self.samples + list(self._online)
+        profile_weight = max(0.1, 1.0 - len(self._online) / self.window)
+        weight = np.array([profile_weight] * len(self.samples) + [1.0] * len(self._online))
+        for name, part in self.parts.items():
+            if not part.columns:
+                continue
+            x = _design([s.features for s in data], part.columns)
+            y = np.array([s.part(name) for s in data], dtype=np.float64)
+            if len(y) > len(part.columns) and np.linalg.matrix_rank(x) == len(part.columns):
+                self.parts[name] = LinearPart(part.columns, tuple(float(c) for c in _fit(x, y, weight)))
+
+    # --- cache ----------------------------------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        return {
+            "key": self.key,
+            "parts": {n: {"columns": list(p.columns), "coef": list(p.coef)} for n, p in self.parts.items()},
+            "reports": [asdict(r) for r in self.reports],
+            "samples": [{**asdict(s.features), "target_s": s.target_s, "draft_s": s.draft_s,
+                         "overhead_s": s.overhead_s} for s in self.samples],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> StepTimeModel:
+        names = set(StepFeatures.__dataclass_fields__)
+        samples = [StepSample(StepFeatures(**{k: v for k, v in row.items() if k in names}),
+                              row["target_s"], row["draft_s"], row["overhead_s"]) for row in data["samples"]]
+        parts = {n: LinearPart(tuple(p["columns"]), tuple(p["coef"])) for n, p in data["parts"].items()}
+        reports = [FitReport(r["part"], tuple(r["columns"]), r["heldout_mre"], r["r2"], r["num_samples"])
+                   for r in data.get("reports", [])]
+        return cls(parts, reports, samples, dict(data.get("key", {})))
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_json()))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> StepTimeModel | None:
+        try:
+            return cls.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # a missing or corrupt cache only costs a re-profile
