@@ -29,7 +29,7 @@ from turbospec import LLM, SamplingParams
 from turbospec.bench.machine import machine_info
 from turbospec.bench.prompts import load_mtbench, load_prompts, load_sharegpt
 from turbospec.control.acceptance import (
-    AcceptanceEstimator, GlobalEMA, PositionBeta, RequestBeta, expected_tokens, outcome_probability,
+    AcceptanceEstimator, GlobalEMA, PositionBeta, RequestBeta, expected_tokens, make_estimator, outcome_probability,
 )
 
 OUT = Path("benchmarks/results/acceptance_estimators")
@@ -87,7 +87,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Acceptance estimators on recorded verification traces",
         "",
-        f"`{report['command']}` on {report['machine']['cpu']}, {report['date']}.",
+        f"`{report['command']}` on {report['machine']['cpu']}, {report['date']}. The traces are in",
+        "`benchmarks/results/acceptance_traces.json`; `--replay` scores them again without recording.",
         "",
         "Each trace is replayed in engine order. Before each verification, the estimator predicts the accepted",
         "count; then it sees the outcome. MAE is the mean absolute error of the predicted accepted count; NLL is",
@@ -99,7 +100,8 @@ def markdown(report: dict[str, Any]) -> str:
     for name, scores in report["scores"].items():
         cells = " | ".join(f"{scores[t]['mae_accepted']:.3f} | {scores[t]['nll']:.3f}" for t in report["traces"])
         lines.append(f"| {name} | {cells} | {scores['mean_mae']:.3f} |")
-    lines += ["", f"Chosen (lowest mean MAE): **{report['best']}**.",
+    lines += ["", f"Lowest mean MAE: **{report['best']}**. Within 0.5% of it: {', '.join(report['ties'])}.",
+              f"The engine's default is `{report['default']}`.",
               "Trace sizes: " + ", ".join(f"{t}: {n} verifications" for t, n in report["trace_sizes"].items())]
     return "\n".join(lines) + "\n"
 
@@ -130,9 +132,13 @@ def main(argv: list[str] | None = None) -> None:
         scores[name]["mean_mae"] = sum(scores[name][t]["mae_accepted"] for t in traces) / len(traces)
         log(f"{name:30s} " + "  ".join(f"{scores[name][t]['mae_accepted']:.3f}" for t in traces))
     best = min(scores, key=lambda s: scores[s]["mean_mae"])
+    ties = [s for s in scores if scores[s]["mean_mae"] <= 1.005 * scores[best]["mean_mae"]]
+    default = make_estimator()
+    default_name = f"{default.name} (decay {getattr(default, 'request_decay', '-')})"
     report = {"command": " ".join(["python"] + sys.argv), "date": time.strftime("%Y-%m-%d"),
               "machine": machine_info(args.threads), "traces": list(traces),
-              "trace_sizes": {t: len(v) for t, v in traces.items()}, "scores": scores, "best": best}
+              "trace_sizes": {t: len(v) for t, v in traces.items()}, "scores": scores, "best": best,
+              "ties": ties, "default": default_name}
     OUT.with_suffix(".json").write_text(json.dumps(report, indent=1))
     OUT.with_suffix(".md").write_text(markdown(report))
     log(f"best: {best}; wrote {OUT}.json / .md")

@@ -64,6 +64,7 @@ class Workload:
     prompts: list[BenchPrompt]
     max_tokens: int
     rates: list[float]
+    threads: int
 
 
 def alternate(first: Sequence[BenchPrompt], second: Sequence[BenchPrompt], n: int) -> list[BenchPrompt]:
@@ -85,19 +86,20 @@ def build_workloads(args: argparse.Namespace) -> list[Workload]:
             "a", "smollm2-135m",
             {"method": "ngram", "num_speculative_tokens": "auto", "max_speculative_tokens": MAX_K,
              "prompt_lookup_min": 2, "prompt_lookup_max": 4},
-            workload_a_prompts(args.requests_a), args.max_tokens_a, args.rates_a),
+            workload_a_prompts(args.requests_a), args.max_tokens_a, args.rates_a, args.threads_a or args.threads),
         "b": lambda: Workload(
             "b", "qwen2.5-coder-1.5b",
             {"method": "draft", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": "auto",
              "max_speculative_tokens": MAX_K},
-            load_prompts(args.requests_b, "humaneval")[0], args.max_tokens_b, args.rates_b),
+            load_prompts(args.requests_b, "humaneval")[0], args.max_tokens_b, args.rates_b,
+            args.threads_b or args.threads),
     }
     return [all_workloads[name]() for name in args.workloads]
 
 
 def build_llm(w: Workload, args: argparse.Namespace) -> LLM:
     # no prefix caching: every policy replays the same prompts, and a warm cache would favour later runs
-    return LLM(w.target, speculative_config=w.speculative_config, num_threads=args.threads,
+    return LLM(w.target, speculative_config=w.speculative_config, num_threads=w.threads,
                dtype="bfloat16", max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                enable_prefix_caching=False, progress=False)
 
@@ -247,7 +249,7 @@ def run_policy(engine: Any, policy: str, prompts: list[list[int]], arrivals: lis
     recorded: list[dict[str, Any]] = []
     start = time.perf_counter()
     requests = run_poisson(engine, prompts, arrivals, max_tokens, recorded)
-    return RunResult(requests, engine.spec_stats.as_dict(), recorded, time.perf_counter() - start)
+    return RunResult(requests, engine.spec_stats_dict(), recorded, time.perf_counter() - start)
 
 
 def warm_up(engine: Any, prompt: list[int]) -> None:
@@ -276,6 +278,8 @@ def summarise(result: RunResult) -> dict[str, Any]:
         "output_throughput_tok_s": tokens / span if span > 0 else 0.0,
         "mean_k": float(stats["mean_k"]),  # mean verify length over decoding request-steps; 0 for no-spec
         "acceptance_rate": stats.get("num_accepted_tokens", 0) / drafted if drafted else None,
+        "k_histogram": stats["k_histogram"],
+        "controller": stats.get("controller"),  # the adaptive policy's own cost and step-time prediction error
         "wall_s": result.wall_s,
         "virtual_s": span,
     }
@@ -474,6 +478,17 @@ def claims_markdown(c: dict[str, Any]) -> list[str]:
 # --- plots -------------------------------------------------------------------------------------------------
 
 
+def _rate_ticks(ax: Any, rates: list[float]) -> None:
+    """Label exactly the measured rates: log-scale minor labels overlap at these ranges."""
+    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
+
+    ticks = sorted(set(rates))
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xticklabels([f"{t:g}" for t in ticks])
+
+
 def plot_workload(rows: list[dict[str, Any]], wl: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
@@ -485,12 +500,14 @@ def plot_workload(rows: list[dict[str, Any]], wl: str, path: Path) -> None:
         pts = sorted((r["request_rate"], r["mean_latency_s"]) for r in rows if r["policy"] == policy)
         ax.plot(*zip(*pts), marker="o", label=policy)
     ax.set(xscale="log", xlabel="request rate (req/s)", ylabel="mean latency (s)", title=f"workload {wl}")
+    _rate_ticks(ax, [r["request_rate"] for r in rows])
     ax.grid(alpha=0.3)
     ax.legend()
     if adaptive:
         ax = axes[0][1]
         ax.plot([r["request_rate"] for r in adaptive], [r["mean_k"] for r in adaptive], marker="o", color="C5")
         ax.set(xscale="log", xlabel="request rate (req/s)", ylabel="mean k", title=f"workload {wl}: adaptive mean k")
+        _rate_ticks(ax, [r["request_rate"] for r in adaptive])
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -589,6 +606,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens-b", type=int, default=64)
     ap.add_argument("--policies", type=str_list, default=list(POLICIES), help="comma list of " + ", ".join(POLICIES))
     ap.add_argument("--threads", type=int, default=2)
+    # 2 OpenMP threads on 2 shared cores jitter by 10-20% run to run; 1 thread by ~2%. Per workload, so a small
+    # model can trade speed for comparable runs.
+    ap.add_argument("--threads-a", type=int, default=None, help="threads for workload a (default --threads)")
+    ap.add_argument("--threads-b", type=int, default=None, help="threads for workload b (default --threads)")
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
@@ -597,6 +618,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--scenario-rate", type=float, default=None, help="req/s; default: the middle rate of a")
     ap.add_argument("--scenario-requests", type=int, default=8, help="requests per scenario phase")
     ap.add_argument("--out", default="benchmarks/results/goodput_sweep")
+    ap.add_argument("--replot", action="store_true", help="rewrite <out>.md and plots from <out>.json only")
     args = ap.parse_args(argv)
     for name in args.workloads:
         if name not in ("a", "b"):
@@ -615,7 +637,7 @@ def workload_config(w: Workload) -> dict[str, Any]:
     kinds = sorted({p.id.split("/", 1)[0] for p in w.prompts})
     return {"target": w.target, "speculative_config": w.speculative_config, "num_requests": len(w.prompts),
             "prompts": " + ".join(kinds), "prompt_ids": [p.id for p in w.prompts], "max_tokens": w.max_tokens,
-            "rates": sorted(w.rates)}
+            "rates": sorted(w.rates), "threads": w.threads}
 
 
 def run_scenarios(args: argparse.Namespace, w: Workload, llm: LLM) -> dict[str, Any]:
@@ -626,8 +648,21 @@ def run_scenarios(args: argparse.Namespace, w: Workload, llm: LLM) -> dict[str, 
     return {sc.name: run_scenario(sc, llm, w.max_tokens) for sc in scenarios}
 
 
+def write_report(report: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report["plots"] = write_plots(report, out)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    md = markdown(report)
+    out.with_suffix(".md").write_text(md)
+    print(md)
+    log(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')} and {len(report['plots'])} plots")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.replot:  # tables and plots again from a committed JSON, without running anything
+        write_report(json.loads(Path(args.out).with_suffix(".json").read_text()), Path(args.out))
+        return
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     workloads = build_workloads(args)
     rows: list[dict[str, Any]] = []
@@ -656,14 +691,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "scenarios": scenarios,
         "claims": claims(rows),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report["plots"] = write_plots(report, out)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    md = markdown(report)
-    out.with_suffix(".md").write_text(md)
-    print(md)
-    log(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')} and {len(report['plots'])} plots")
+    write_report(report, Path(args.out))
 
 
 if __name__ == "__main__":
