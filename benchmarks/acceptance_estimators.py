@@ -29,7 +29,7 @@ from turbospec import LLM, SamplingParams
 from turbospec.bench.machine import machine_info
 from turbospec.bench.prompts import load_mtbench, load_prompts, load_sharegpt
 from turbospec.control.acceptance import (
-    AcceptanceEstimator, GlobalEMA, PositionBeta, RequestBeta, expected_tokens, make_estimator, outcome_probability,
+    AcceptanceEstimator, FirstPositionBeta, GlobalEMA, PositionBeta, RequestBeta, expected_tokens, make_estimator, outcome_probability,
 )
 
 OUT = Path("benchmarks/results/acceptance_estimators")
@@ -50,6 +50,9 @@ CANDIDATES: dict[str, Any] = {
     "position-beta (decay 0.8)": lambda: PositionBeta(request_decay=0.8),
     "position-beta (decay 0.9)": lambda: PositionBeta(request_decay=0.9),
     "position-beta (decay 0.95)": lambda: PositionBeta(request_decay=0.95),
+    "first-position-beta (decay 0.4)": lambda: FirstPositionBeta(request_decay=0.4),
+    "first-position-beta (decay 0.6)": lambda: FirstPositionBeta(request_decay=0.6),
+    "first-position-beta (decay 0.8)": lambda: FirstPositionBeta(request_decay=0.8),
 }
 
 

@@ -295,21 +295,43 @@ def describe(row: dict[str, Any]) -> str:
 # --- sweep and scenarios -----------------------------------------------------------------------------------
 
 
-def sweep(w: Workload, llm: LLM, policies: Sequence[str], seed: int) -> list[dict[str, Any]]:
+def sweep(w: Workload, llm: LLM, policies: Sequence[str], seed: int, repeats: int = 1) -> list[dict[str, Any]]:
+    """Every policy at every rate; with repeats > 1 the policies are interleaved (all policies, then all again)
+    so slow drift of the machine hits every policy alike, and each row is the mean of its runs."""
     engine = llm.engine
     prompts = chat_ids(llm, w.prompts)
     rows = []
-    total, done = len(w.rates) * len(policies), 0
+    total, done = len(w.rates) * len(policies) * repeats, 0
     for rate in sorted(w.rates):
         arrivals = poisson_arrivals(len(prompts), rate, seed)
-        for policy in policies:
-            done += 1
-            result = run_policy(engine, policy, prompts, arrivals, w.max_tokens)
-            row = {"workload": w.name, "policy": policy, "request_rate": rate, **summarise(result),
-                   "requests": result.requests}
-            rows.append(row)
-            log(f"[{done}/{total}] {w.name} rate {rate:g} {policy}: {describe(row)}")
+        runs: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+        for _ in range(repeats):
+            for policy in policies:
+                done += 1
+                result = run_policy(engine, policy, prompts, arrivals, w.max_tokens)
+                row = {"workload": w.name, "policy": policy, "request_rate": rate, **summarise(result),
+                       "requests": result.requests}
+                runs[policy].append(row)
+                log(f"[{done}/{total}] {w.name} rate {rate:g} {policy}: {describe(row)}")
+        rows += [merge_runs(r) for r in runs.values()]
     return rows
+
+
+AVERAGED = ("mean_latency_s", "p50_latency_s", "p99_latency_s", "mean_ttft_s", "output_throughput_tok_s", "mean_k")
+
+
+def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row for repeated runs of a policy: the averaged metrics, each run's mean latency, its spread."""
+    if len(runs) == 1:
+        return runs[0]
+    row = dict(runs[0])
+    for key in AVERAGED:
+        row[key] = float(np.mean([r[key] for r in runs]))
+    row["mean_latency_runs_s"] = [r["mean_latency_s"] for r in runs]
+    lat = row["mean_latency_runs_s"]
+    row["mean_latency_spread"] = (max(lat) - min(lat)) / row["mean_latency_s"]
+    row["requests"] = [q for r in runs for q in r["requests"]]
+    return row
 
 
 @dataclass
@@ -361,6 +383,23 @@ def find(rows: list[dict[str, Any]], workload: str, rate: float, policy: str) ->
                  and r["policy"] == policy), None)
 
 
+def common_length_latency(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean latency per policy over the requests whose output length is the same in every run of every policy.
+
+    Speculation is lossless, but bf16 results depend on the batch's shape, so a near-tie can flip a greedy
+    token and change an answer's length under one policy; such a request's latency is not comparable."""
+    lengths: dict[int, set[int]] = {}
+    for row in rows:
+        for q in row["requests"]:
+            lengths.setdefault(q["index"], set()).add(q["output_tokens"])
+    same = {i for i, n in lengths.items() if len(n) == 1}
+    out: dict[str, float] = {"count": float(len(same))}
+    for row in rows:
+        lat = [q["latency"] for q in row["requests"] if q["index"] in same]
+        out[row["policy"]] = float(np.mean(lat)) if lat else float("nan")
+    return out
+
+
 def claims(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per workload: adaptive's mean latency over the best other policy's at each rate (passes at <= 1.05),
     and at the highest rate whether fixed-8 is slower than no-spec and adaptive is not."""
@@ -376,9 +415,14 @@ def claims(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 continue
             best = min(others, key=lambda r: r["mean_latency_s"])
             ratio = adaptive["mean_latency_s"] / best["mean_latency_s"]
+            common = common_length_latency([adaptive, *others])
+            best_common = min((r["policy"] for r in others), key=lambda p: common[p])
             per_rate.append({"rate": rate, "adaptive_mean_latency_s": adaptive["mean_latency_s"],
                              "best_other_policy": best["policy"], "best_other_mean_latency_s": best["mean_latency_s"],
-                             "ratio": ratio, "within_5pct": ratio <= CLAIM_TOLERANCE})
+                             "ratio": ratio, "within_5pct": ratio <= CLAIM_TOLERANCE,
+                             "common_length_requests": common["count"],
+                             "common_length_best_other_policy": best_common,
+                             "common_length_ratio": common["adaptive"] / common[best_common]})
         entry: dict[str, Any] = {"adaptive_vs_best_other": per_rate}
         if not per_rate:
             entry["note"] = "adaptive was not run: no claims on it"
@@ -415,7 +459,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Goodput sweep: speculation policies under Poisson load", "",
         f"- command: `{report['command']}`",
-        f"- machine: {m['cpu']}, {m['cpus']} CPUs, {m['threads']} threads, torch {m['torch']}, {m['platform']}",
+        f"- machine: {m['cpu']}, {m['cpus']} CPUs, torch {m['torch']}, {m['platform']} (threads per workload below)",
         f"- date: {report['date']}, commit {m['commit']}",
         "- latency: arrival to last token on a virtual clock (queueing included; idle gaps skipped), greedy, "
         "chat template; throughput: output tokens / (last finish - first arrival)", "",
@@ -425,12 +469,19 @@ def markdown(report: dict[str, Any]) -> str:
         policies = [p for p in cfg["policies"] if any(r["policy"] == p for r in rows)]
         rates = sorted({r["request_rate"] for r in rows})
         lines += [f"## Workload {wl}: `{wcfg['target']}`, {wcfg['speculative_config']['method']}", "",
-                  f"{wcfg['num_requests']} requests ({wcfg['prompts']}), max {wcfg['max_tokens']} new tokens.", "",
+                  f"{wcfg['num_requests']} requests ({wcfg['prompts']}), max {wcfg['max_tokens']} new tokens, "
+                  f"{wcfg.get('threads', m['threads'])} threads.", "",
                   "Mean latency (s):", "", "| rate (req/s) | " + " | ".join(policies) + " |",
                   "|---|" + "---|" * len(policies)]
         for rate in rates:
             cells = [fmt(r["mean_latency_s"]) if (r := find(rows, wl, rate, p)) else "-" for p in policies]
             lines.append(f"| {rate:g} | " + " | ".join(cells) + " |")
+        if cfg.get("repeats", 1) > 1:
+            lines += ["", f"Each cell is the mean of {cfg['repeats']} interleaved runs; the runs' mean latencies:", ""]
+            lines += [f"- rate {r['request_rate']:g} {r['policy']}: "
+                      + ", ".join(fmt(x) for x in r["mean_latency_runs_s"])
+                      + f" (spread {r['mean_latency_spread'] * 100:.0f}%)"
+                      for r in sorted(rows, key=lambda r: (r["request_rate"], policies.index(r["policy"])))]
         lines += ["", "| rate | policy | mean latency (s) | p99 latency (s) | mean TTFT (s) | throughput (tok/s) | "
                   "mean k | acceptance |", "|---|---|---|---|---|---|---|---|"]
         for r in sorted(rows, key=lambda r: (r["request_rate"], policies.index(r["policy"]))):
@@ -461,7 +512,9 @@ def claims_markdown(c: dict[str, Any]) -> list[str]:
         lines.append(f"- {c['note']}")
     for e in c.get("adaptive_vs_best_other", []):
         lines.append(f"- rate {e['rate']:g}: adaptive / best other ({e['best_other_policy']}) = {e['ratio']:.3f} "
-                     f"-> {passed(e['within_5pct'])} (<= {CLAIM_TOLERANCE})")
+                     f"-> {passed(e['within_5pct'])} (<= {CLAIM_TOLERANCE}); over the "
+                     f"{int(e['common_length_requests'])} requests whose output length every policy agrees on: "
+                     f"{e['common_length_ratio']:.3f} against {e['common_length_best_other_policy']}")
     high = c.get("highest_rate")
     if high:
         if "fixed8_slower_than_nospec" in high:
@@ -618,6 +671,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--scenario-rate", type=float, default=None, help="req/s; default: the middle rate of a")
     ap.add_argument("--scenario-requests", type=int, default=8, help="requests per scenario phase")
     ap.add_argument("--out", default="benchmarks/results/goodput_sweep")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per (rate, policy), interleaved; rows average them")
     ap.add_argument("--replot", action="store_true", help="rewrite <out>.md and plots from <out>.json only")
     args = ap.parse_args(argv)
     for name in args.workloads:
@@ -660,8 +714,10 @@ def write_report(report: dict[str, Any], out: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.replot:  # tables and plots again from a committed JSON, without running anything
-        write_report(json.loads(Path(args.out).with_suffix(".json").read_text()), Path(args.out))
+    if args.replot:  # claims, tables and plots again from a committed JSON, without running anything
+        report = json.loads(Path(args.out).with_suffix(".json").read_text())
+        report["claims"] = claims(report["rows"])
+        write_report(report, Path(args.out))
         return
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     workloads = build_workloads(args)
@@ -675,7 +731,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         llm = build_llm(w, args)
         warm_up(llm.engine, chat_ids(llm, w.prompts[:1])[0])
         llm.engine.record_history = True
-        rows += sweep(w, llm, args.policies, args.seed)
+        rows += sweep(w, llm, args.policies, args.seed, args.repeats)
         if args.scenarios and w.name == "a":
             scenarios = run_scenarios(args, w, llm)
         del llm
@@ -684,7 +740,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "machine": machine_info(args.threads),
         "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else " ".join(argv),
         "date": started,
-        "config": {"policies": args.policies, "seed": args.seed, "max_num_seqs": args.max_num_seqs,
+        "config": {"policies": args.policies, "seed": args.seed, "repeats": args.repeats,
+                   "max_num_seqs": args.max_num_seqs,
                    "max_model_len": args.max_model_len, "scenario_requests_per_phase": args.scenario_requests,
                    "claim_tolerance": CLAIM_TOLERANCE, "workloads": {w.name: workload_config(w) for w in workloads}},
         "rows": rows,

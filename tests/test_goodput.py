@@ -229,3 +229,38 @@ def test_controller_switches_on_only_with_a_clear_gain_and_counts_its_cost():
     ctrl2 = GoodputController(model, RequestBeta(prior=0.5), switch_on_gain=0.5)
     assert ctrl2.choose(cands, StepFeatures(batch=1, tokens=1, kv=100, attn=100)) == [0]
     assert ctrl.stats.controller_s > 0
+
+
+def test_controller_warns_once_when_the_batch_outgrows_the_profile(caplog):
+    rng = random.Random(6)
+    samples = [s for s in _samples(lambda f: (0.01 + 0.001 * f.tokens, 0.0, 0.001), rng) if s.features.batch <= 8]
+    model = StepTimeModel.fit(samples)
+    assert model.max_profiled_batch == 8
+    ctrl = GoodputController(model, RequestBeta())
+    base = StepFeatures(batch=12, tokens=12, kv=1200, attn=1200)
+    with caplog.at_level("WARNING", logger="turbospec.control"):
+        ctrl.choose([Candidate(f"r{i}", 4, 100) for i in range(12)], base)
+        ctrl.choose([Candidate(f"r{i}", 4, 100) for i in range(12)], base)
+    assert sum("only measured batches up to 8" in r.message for r in caplog.records) == 1
+
+
+def test_a_draft_prompt_catch_up_is_charged_once_and_amortised():
+    """A draft model must first run over a new request's prompt. With many tokens left that pays off; with few
+    left, or a long prompt, it does not, and the request is left at k = 0."""
+    model = StepTimeModel({
+        "target": LinearPart(("one", "tokens"), (0.1, 0.001)),
+        "draft": LinearPart(("draft_steps", "draft_tokens"), (0.01, 0.002)),
+        "overhead": LinearPart(),
+    }, refit_every=10**9)
+    ctrl = GoodputController(model, RequestBeta(prior=0.9))
+    base = StepFeatures(batch=1, tokens=1, kv=500, attn=500)
+    assert ctrl.choose([Candidate("a", 8, 500, catch_up=2, remaining=8)], base)[0] > 0  # caught up already
+    assert ctrl.choose([Candidate("b", 8, 500, catch_up=500, remaining=400)], base)[0] > 0  # long life ahead
+    assert ctrl.choose([Candidate("c", 8, 500, catch_up=500, remaining=8)], base) == [0]  # 1 s for 8 tokens
+
+
+def test_activation_cost_enters_the_search_once_per_request():
+    cost = linear_cost(1.0, 0.01)(2)
+    free = choose_lengths([flat(0.9), flat(0.9)], [4, 4], cost)
+    charged = choose_lengths([flat(0.9), flat(0.9)], [4, 4], cost, activation=[0.0, 10.0])
+    assert free.ks == [4, 4] and charged.ks == [4, 0]

@@ -255,7 +255,8 @@ class LLMEngine:
             caps = [len(self._ngram_drafts[r.request_id]) for r in decoding]
         base, spare_tokens = self._base_features(decoding)
         caps = self._guard_kv(decoding, caps)
-        candidates = [Candidate(r.request_id, k, r.num_tokens) for r, k in zip(decoding, caps)]
+        candidates = [Candidate(r.request_id, k, r.num_tokens, self.proposer.catch_up_tokens(r),
+                                r.params.max_tokens - len(r.output_token_ids)) for r, k in zip(decoding, caps)]
         ks = self.controller.choose(candidates, base, spare_tokens)
         return {r.request_id: k for r, k in zip(decoding, ks)}
 

@@ -144,8 +144,26 @@ class PositionBeta(RequestBeta):
             self._positions[j].add(float(accepted), float(not accepted), self.global_decay)
 
 
+class FirstPositionBeta(PositionBeta):
+    """The request's own level decides only the first draft position; deeper positions take the global
+    conditional rate there. Reaching position j means the first j - 1 drafts were right, which says more
+    about position j (a copy stretch, an easy span) than the request's history does."""
+
+    name = "first-position-beta"
+
+    def rates(self, request_id: str, k: int) -> list[float]:
+        if k <= 0:
+            return []
+        g = self.global_rate
+        first = self._positions[0].rate(g, self.prior_strength) / g
+        out = [_clamp(self.request_rate(request_id) * first)]
+        for j in range(1, k):
+            out.append(_clamp(self._positions[min(j, len(self._positions) - 1)].rate(g, self.prior_strength)))
+        return out
+
+
 ESTIMATORS: dict[str, type[AcceptanceEstimator]] = {
-    e.name: e for e in (GlobalEMA, RequestBeta, PositionBeta)
+    e.name: e for e in (GlobalEMA, RequestBeta, PositionBeta, FirstPositionBeta)
 }
 DEFAULT_ESTIMATOR = "position-beta"
 

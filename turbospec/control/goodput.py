@@ -33,12 +33,15 @@ class Choice:
 
 def choose_lengths(rates: list[list[float]], k_max: list[int], cost: StepCost,
                    contexts: list[int] | None = None, min_gain: float = 0.0, max_total: int | None = None,
-                   search_depth: bool = False) -> Choice:
+                   search_depth: bool = False, activation: list[float] | None = None) -> Choice:
     """Draft lengths for one step.
 
     rates[i][j] is request i's conditional acceptance at position j + 1 (len >= k_max[i]); contexts[i] its
     context length; max_total caps the sum of k_i (the step's spare token budget). Speculation must beat plain
     decoding by a factor (1 + min_gain) to be used at all.
+
+    activation[i]: seconds added once request i drafts at all (k_i >= 1): a draft model that has not yet seen
+    the request's prompt must first run over it (its share of that one-time cost; see the controller).
 
     search_depth: the cost jumps with the longest draft (a draft model's forwards). Then one greedy pass per
     depth cap K = 1..max(k_max) is run, each with k_i <= K, and the best is kept: within a cap the cost is
@@ -49,24 +52,30 @@ def choose_lengths(rates: list[list[float]], k_max: list[int], cost: StepCost,
     plain = Choice([0] * n, float(n), cost(0, 0, 0))
     best = plain
     caps = range(1, max(k_max, default=0) + 1) if search_depth else [max(k_max, default=0)]
-    for cap in caps:
-        candidate = _greedy(rates, [min(k, cap) for k in k_max], cost, contexts, max_total)
-        if candidate.goodput > best.goodput:
-            best = candidate
+    # A one-time activation cost sits on a request's first draft token, so the greedy order's prefixes would
+    # rarely skip past it: also try without the requests that carry one.
+    limits = [k_max]
+    if activation is not None and any(activation):
+        limits.append([0 if activation[i] > 0 else k for i, k in enumerate(k_max)])
+    for limit in limits:
+        for cap in caps:
+            candidate = _greedy(rates, [min(k, cap) for k in limit], cost, contexts, max_total, activation)
+            if candidate.goodput > best.goodput:
+                best = candidate
     if best.goodput < plain.goodput * (1.0 + min_gain):
         return plain
     return best
 
 
 def _greedy(rates: list[list[float]], k_max: list[int], cost: StepCost, contexts: list[int],
-            max_total: int | None) -> Choice:
+            max_total: int | None, activation: list[float] | None) -> Choice:
     """The best prefix of the draft tokens taken in order of decreasing expected gain."""
     n = len(rates)
     ks = [0] * n
     best = Choice(list(ks), float(n), cost(0, 0, 0))
     heap = [(-rates[i][0], i) for i in range(n) if k_max[i] > 0]
     heapq.heapify(heap)
-    tokens, sum_k, max_k, sum_kctx = float(n), 0, 0, 0
+    tokens, sum_k, max_k, sum_kctx, extra = float(n), 0, 0, 0, 0.0
     while heap and (max_total is None or sum_k < max_total):
         neg_gain, i = heapq.heappop(heap)
         ks[i] += 1
@@ -74,7 +83,9 @@ def _greedy(rates: list[list[float]], k_max: list[int], cost: StepCost, contexts
         sum_k += 1
         max_k = max(max_k, ks[i])
         sum_kctx += contexts[i]
-        t = cost(sum_k, max_k, sum_kctx)
+        if activation is not None and ks[i] == 1:
+            extra += activation[i]
+        t = cost(sum_k, max_k, sum_kctx) + extra
         if t > 0 and tokens / t > best.goodput:
             best = Choice(list(ks), tokens, t)
         if ks[i] < k_max[i]:

@@ -190,6 +190,12 @@ class StepTimeModel:
             reports.append(report)
         return cls(parts, reports, list(samples), dict(key or {}))
 
+    @property
+    def max_profiled_batch(self) -> int:
+        """The largest decode batch the profile measured: beyond it, predictions are extrapolations."""
+        decodes = [s.features for s in self.samples if s.features.tokens == s.features.batch + s.features.spec_tokens]
+        return max((f.batch for f in decodes), default=0)
+
     def predict(self, f: StepFeatures) -> float:
         return sum(self.parts[p].predict(f) for p in PARTS if p in self.parts)
 

@@ -100,6 +100,9 @@ class DraftModelProposer(Proposer):
                 drafts[i].probs = torch.stack(q_rows[i])
         return drafts
 
+    def catch_up_tokens(self, request: Request) -> int:
+        return request.num_tokens - self.computed.get(request.request_id, 0)
+
     def tokens_to_process(self, requests: list[Request], num_tokens: list[int]) -> int:
         # the catch-up on tokens it has not seen, then one token per further draft step
         return sum(r.num_tokens - self.computed.get(r.request_id, 0) + k - 1

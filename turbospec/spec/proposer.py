@@ -23,6 +23,10 @@ class Proposer(ABC):
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Draft]:
         """Draft at most num_tokens[i] tokens for requests[i] (fewer, even none, is allowed)."""
 
+    def catch_up_tokens(self, request: Request) -> int:
+        """Tokens of this request a model-based proposer has not run over yet (its prompt, the first time)."""
+        return 0
+
     def tokens_to_process(self, requests: list[Request], num_tokens: list[int]) -> int:
         """Tokens a model-based proposer will run through its model to draft these (for the step-time model)."""
         return 0
