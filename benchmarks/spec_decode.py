@@ -18,7 +18,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from turbospec import LLM, SamplingParams
+from turbospec.control.profiler import hardware_name
 from turbospec.bench.prompts import BenchPrompt, load_mtbench, load_prompts
 from turbospec.models.registry import gguf_path, pull
 
@@ -180,8 +180,7 @@ def main() -> None:
         rows += run_hf(args, datasets)
     rows = summarise(rows)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpu = hardware_name("cpu")
     meta = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": f"{cpu}, {os.cpu_count()} CPUs",
             "threads": args.threads, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "commit": commit, "target": args.target, "draft": args.draft, "dtype": args.dtype,

@@ -4,6 +4,7 @@ synthetic acceptance, the step-time model learning online, the profile cache and
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ from turbospec import LLM, SamplingParams
 from turbospec.config import SpeculativeConfig
 from turbospec.control.profiler import profile_key, profile_path
 from turbospec.control.step_time import LinearPart, StepTimeModel
+from turbospec.models.registry import gguf_path
 
 from spec_prompts import SPEC_PROMPTS
 
@@ -149,11 +151,8 @@ def test_invalid_controller_options_are_refused(config, message):
 
 
 def test_cli_profile_writes_the_cache_and_refuses_bad_input(tmp_path):
-    env = {"TURBOSPEC_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    import os
-    env = {**os.environ, **env}
+    env = {**os.environ, "TURBOSPEC_HOME": str(tmp_path)}
     # the model file comes from the normal cache: point at it by path
-    from turbospec.models.registry import gguf_path
     model = str(gguf_path(MODEL))
     ok = subprocess.run([sys.executable, "-m", "turbospec.cli", "profile", "--model", model, "--grid", "brief",
                          "--dtype", "float32", "--num-threads", "1", "--speculative-config", '{"method": "ngram"}'],

@@ -11,7 +11,7 @@ import pytest
 from turbospec.control.acceptance import (
     ESTIMATORS, GlobalEMA, PositionBeta, RequestBeta, expected_tokens, make_estimator, outcome_probability,
 )
-from turbospec.control.controller import Candidate, GoodputController, spec_cost
+from turbospec.control.controller import Candidate, GoodputController
 from turbospec.control.goodput import choose_lengths
 from turbospec.control.step_time import LinearPart, StepFeatures, StepSample, StepTimeModel
 
@@ -211,7 +211,7 @@ def test_spec_cost_agrees_with_the_model_it_was_built_from():
         "overhead": LinearPart(("one", "batch", "spec_tokens"), (0.001, 0.0002, 0.00005)),
     })
     base = StepFeatures(batch=3, tokens=12, kv=900, attn=1800)
-    cost = spec_cost(model, base)
+    cost = model.spec_cost(base)
     ctx = [300, 200, 400]
     for ks in ([0, 0, 0], [1, 0, 0], [4, 2, 8], [8, 8, 8]):
         f = StepFeatures(batch=3, tokens=12 + sum(ks), kv=900 + sum(ks),

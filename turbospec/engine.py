@@ -73,6 +73,7 @@ class LLMEngine:
         self.controller: GoodputController | None = None
         self._ngram_drafts: dict[str, list[int]] = {}  # auto mode: lookups made before the choice
         self.last_sample: StepSample | None = None
+        self.sample_steps = False  # build last_sample even without the controller (the profiler sets it)
         self.record_history = False
         self.controller_history: list[dict[str, float | int | None]] = []
         # (request id, drafts verified, drafts accepted) per verification, when set to a list: the traces that
@@ -195,18 +196,22 @@ class LLMEngine:
             self.last_step = StepStats(0, 0, len(sched.preempted), proposed - start)
             self.last_sample = None
             return []
-        features = self._features(sched, draft_tokens)  # before _update clears the drafts
+        learn = self.controller is not None and self.spec_mode == "auto"
+        # only the controller and the profiler read step samples: plain serving does not build them
+        features = self._features(sched, draft_tokens) if learn or self.sample_steps else None  # before _update
         model_out = self.runner.execute(sched)
         forwarded = time.perf_counter()
         outputs = self._update(sched, model_out)
         end = time.perf_counter()
         self.last_step = StepStats(len(sched.scheduled), sched.num_batched_tokens, len(sched.preempted), end - start)
-        # n-gram lookups are bookkeeping-sized: they count as overhead, not as a draft model
-        draft_s = proposed - start if self.spec is not None and self.spec.method == "draft" and draft_tokens else 0.0
-        self.last_sample = StepSample(features, forwarded - proposed, draft_s,
-                                      (end - start) - (forwarded - proposed) - draft_s)
-        if self.controller is not None and self.spec_mode == "auto":
-            self._learn_step_time(self.last_sample)
+        self.last_sample = None
+        if features is not None:
+            # n-gram lookups are bookkeeping-sized: they count as overhead, not as a draft model
+            draft_s = proposed - start if draft_tokens else 0.0
+            self.last_sample = StepSample(features, forwarded - proposed, draft_s,
+                                          (end - start) - (forwarded - proposed) - draft_s)
+            if learn:
+                self._learn_step_time(self.last_sample)
         return outputs
 
     @staticmethod
@@ -299,7 +304,9 @@ class LLMEngine:
             for s in spec:
                 s.request.spec_token_ids = self._ngram_drafts.get(s.request.request_id, [])[: s.num_spec_tokens]
             return 0
-        draft_tokens = self.proposer.tokens_to_process([s.request for s in spec], [s.num_spec_tokens for s in spec])
+        # a draft model runs over the tokens it has not seen, then one token per further draft step
+        draft_tokens = sum(self.proposer.catch_up_tokens(s.request) + s.num_spec_tokens - 1 for s in spec) \
+            if self.spec is not None and self.spec.method == "draft" else 0
         drafts = self.proposer.propose([s.request for s in spec], [s.num_spec_tokens for s in spec])
         for s, d in zip(spec, drafts):
             s.request.spec_token_ids = d.tokens
@@ -436,7 +443,6 @@ class LLMEngine:
 
     def _release(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
-        self._ngram_drafts.pop(req.request_id, None)
         if self.proposer:
             self.proposer.free(req.request_id)
         if self.controller is not None:

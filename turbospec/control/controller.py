@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from .acceptance import AcceptanceEstimator, expected_tokens
-from .goodput import Choice, StepCost, choose_lengths
+from .goodput import Choice, choose_lengths
 from .step_time import StepFeatures, StepTimeModel
 
 log = logging.getLogger("turbospec.control")
@@ -31,48 +31,6 @@ class Candidate:
     context: int  # its context length
     catch_up: int = 0  # tokens a draft model must run over before drafting (its prompt, the first time)
     remaining: int = 0  # tokens it may still generate
-
-
-def spec_cost(model: StepTimeModel, base: StepFeatures) -> StepCost:
-    """Predicted step time as a function of the speculative part only, with everything else fixed at `base`.
-
-    Each draft token adds one verified token and one draft token and attends to its request's context; the
-    longest draft sets the number of draft forwards. Evaluated hundreds of times per step, so the features
-    are resolved once here into (coefficient, how it moves) terms.
-    """
-    terms: list[tuple[float, str, float]] = []  # (coef, delta kind, base value)
-    for part in model.parts.values():
-        for name, coef in zip(part.columns, part.coef):
-            if name == "one" or name == "batch":
-                terms.append((coef, "const", 1.0 if name == "one" else float(base.batch)))
-            elif name in ("tokens", "kv", "spec_tokens", "draft_tokens"):
-                terms.append((coef, "sum_k", float(getattr(base, name))))
-            elif name in ("attn", "draft_kv"):
-                terms.append((coef, "sum_kctx", float(getattr(base, name))))
-            elif name == "draft_steps":
-                terms.append((coef, "max_k", float(base.draft_steps)))
-            elif name == "drafting":
-                terms.append((coef, "drafting", 0.0))
-            elif name.startswith("hinge"):
-                terms.append((coef, "hinge", float(base.tokens - int(name[5:]))))
-    const = sum(c * v for c, kind, v in terms if kind == "const")
-
-    def cost(sum_k: int, max_k: int, sum_kctx: int) -> float:
-        t = const
-        for c, kind, v in terms:
-            if kind == "sum_k":
-                t += c * (v + sum_k)
-            elif kind == "sum_kctx":
-                t += c * (v + sum_kctx)
-            elif kind == "max_k":
-                t += c * (v + max_k)
-            elif kind == "drafting":
-                t += c * (max_k > 0)
-            elif kind == "hinge":
-                t += c * max(0.0, v + sum_k)
-        return max(t, 1e-6)
-
-    return cost
 
 
 @dataclass
@@ -104,10 +62,10 @@ class GoodputController:
         self.speculating = False
         self.stats = ControllerStats()
         self.last_choice: Choice | None = None
-        draft = model.parts.get("draft")
-        # a per-draft-forward cost makes the longest draft matter: search over depth caps (see choose_lengths)
         self._profiled_batch = model.max_profiled_batch
         self._warned_extrapolation = False
+        # a per-draft-forward cost makes the longest draft matter: search over depth caps (see choose_lengths)
+        draft = model.parts.get("draft")
         self._depth_costs = draft is not None and any(c in ("draft_steps", "drafting") for c in draft.columns)
 
     def choose(self, candidates: list[Candidate], base: StepFeatures, max_total: int | None = None) -> list[int]:
@@ -115,13 +73,13 @@ class GoodputController:
         the token budget the drafts may use."""
         start = time.perf_counter()
         if len(candidates) > self._profiled_batch and self._profiled_batch and not self._warned_extrapolation:
-            self._warned_extrapolation = True  # measured: a 1.5B profile up to batch 8 misjudged batch 16 by 20%
+            self._warned_extrapolation = True
             log.warning("%d requests decode, but the step-time profile only measured batches up to %d: its costs "
                         "are extrapolated. Run `turbospec profile --batch-sizes ...` with larger batches.",
                         len(candidates), self._profiled_batch)
         rates = [self.estimator.rates(c.request_id, c.k_max) if c.k_max > 0 else [0.0] for c in candidates]
         activation = [self._activation_cost(c, r) for c, r in zip(candidates, rates)]
-        choice = choose_lengths(rates, [c.k_max for c in candidates], spec_cost(self.model, base),
+        choice = choose_lengths(rates, [c.k_max for c in candidates], self.model.spec_cost(base),
                                 [c.context for c in candidates],
                                 min_gain=0.0 if self.speculating else self.switch_on_gain, max_total=max_total,
                                 search_depth=self._depth_costs, activation=activation if any(activation) else None)
@@ -135,18 +93,12 @@ class GoodputController:
     def _activation_cost(self, c: Candidate, rates: list[float]) -> float:
         """A draft model drafts for a request only after running over every token it has not seen: the whole
         prompt the first time. That cost is paid once and buys speculation for the rest of the request, so
-        the choice charges each step its share: catch-up time / the steps left at full speculation.
-        Ignoring it made speculation look free at saturation, where every new request needs one
-        (measured: 16 requests of a 1.5B target, adaptive 1.11x slower than no speculation)."""
+        the choice charges each step its share: catch-up time / the steps left at full speculation."""
         if c.catch_up <= 2 or c.k_max <= 0:  # the usual one or two tokens are part of the step's draft cost
             return 0.0
-        draft = self.model.parts.get("draft")
-        if draft is None or not draft.columns:
-            return 0.0
-        per_token = sum(coef * (1.0 if name == "draft_tokens" else c.context / 2 if name == "draft_kv" else 0.0)
-                        for name, coef in zip(draft.columns, draft.coef))
-        steps_left = max(1.0, c.remaining / expected_tokens(rates, c.k_max))
-        return max(per_token, 0.0) * c.catch_up / steps_left
+        catch_up = self.model.predict_part("draft", StepFeatures(draft_tokens=c.catch_up,
+                                                                 draft_kv=c.catch_up * c.context // 2))
+        return catch_up / max(1.0, c.remaining / expected_tokens(rates, c.k_max))
 
     def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         self.estimator.observe(request_id, num_draft, num_accepted)

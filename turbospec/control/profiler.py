@@ -105,10 +105,11 @@ def profile_engine(engine: LLMEngine, grid: ProfileGrid, progress: bool = True, 
         raise RuntimeError("profiling needs an idle engine")
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
-    saved = (engine.proposer, engine.synthetic_acceptance, engine.spec_mode)
+    saved = (engine.proposer, engine.synthetic_acceptance, engine.spec_mode, engine.sample_steps)
     if engine.spec is not None and engine.spec.method == "ngram":
         engine.proposer = RepeatProposer()
     engine.synthetic_acceptance = 0.0
+    engine.sample_steps = True
     samples: list[StepSample] = []
     points = _grid_points(engine, grid)
     ks = grid.ks if engine.proposer is not None else (0,)
@@ -140,7 +141,7 @@ def profile_engine(engine: LLMEngine, grid: ProfileGrid, progress: bool = True, 
         bar.close()
         for rid in list(engine.requests):
             engine.abort_request(rid)
-        engine.proposer, engine.synthetic_acceptance, engine.spec_mode = saved
+        engine.proposer, engine.synthetic_acceptance, engine.spec_mode, engine.sample_steps = saved
     return samples
 
 

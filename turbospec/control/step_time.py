@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -201,6 +202,47 @@ class StepTimeModel:
 
     def predict_part(self, part: str, f: StepFeatures) -> float:
         return self.parts[part].predict(f) if part in self.parts else 0.0
+
+    def spec_cost(self, base: StepFeatures) -> Callable[[int, int, int], float]:
+        """Predicted step time as a function of the speculative part only, with everything else fixed at `base`.
+
+        Each draft token adds one verified token and one draft token and attends to its request's context; the
+        longest draft sets the number of draft forwards. Evaluated hundreds of times per step, so the features
+        are resolved once here into (coefficient, how it moves) terms.
+        """
+        terms: list[tuple[float, str, float]] = []  # (coef, delta kind, base value)
+        for part in self.parts.values():
+            for name, coef in zip(part.columns, part.coef):
+                if name == "one" or name == "batch":
+                    terms.append((coef, "const", 1.0 if name == "one" else float(base.batch)))
+                elif name in ("tokens", "kv", "spec_tokens", "draft_tokens"):
+                    terms.append((coef, "sum_k", float(getattr(base, name))))
+                elif name in ("attn", "draft_kv"):
+                    terms.append((coef, "sum_kctx", float(getattr(base, name))))
+                elif name == "draft_steps":
+                    terms.append((coef, "max_k", float(base.draft_steps)))
+                elif name == "drafting":
+                    terms.append((coef, "drafting", 0.0))
+                elif name.startswith("hinge"):
+                    terms.append((coef, "hinge", float(base.tokens - int(name[5:]))))
+        const = sum(c * v for c, kind, v in terms if kind == "const")
+
+        def cost(sum_k: int, max_k: int, sum_kctx: int) -> float:
+            t = const
+            for c, kind, v in terms:
+                if kind == "sum_k":
+                    t += c * (v + sum_k)
+                elif kind == "sum_kctx":
+                    t += c * (v + sum_kctx)
+                elif kind == "max_k":
+                    t += c * (v + max_k)
+                elif kind == "drafting":
+                    t += c * (max_k > 0)
+                elif kind == "hinge":
+                    t += c * max(0.0, v + sum_k)
+            return max(t, 1e-6)
+
+        return cost
 
     def observe(self, sample: StepSample) -> None:
         """Add a measured step; refit the chosen forms on profile + recent steps every `refit_every` steps."""

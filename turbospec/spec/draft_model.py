@@ -103,11 +103,6 @@ class DraftModelProposer(Proposer):
     def catch_up_tokens(self, request: Request) -> int:
         return request.num_tokens - self.computed.get(request.request_id, 0)
 
-    def tokens_to_process(self, requests: list[Request], num_tokens: list[int]) -> int:
-        # the catch-up on tokens it has not seen, then one token per further draft step
-        return sum(r.num_tokens - self.computed.get(r.request_id, 0) + k - 1
-                   for r, k in zip(requests, num_tokens) if k > 0)
-
     def on_verified(self, request: Request, num_accepted: int) -> None:
         rid = request.request_id
         pending = self.pending.pop(rid, None)

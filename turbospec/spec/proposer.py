@@ -27,10 +27,6 @@ class Proposer(ABC):
         """Tokens of this request a model-based proposer has not run over yet (its prompt, the first time)."""
         return 0
 
-    def tokens_to_process(self, requests: list[Request], num_tokens: list[int]) -> int:
-        """Tokens a model-based proposer will run through its model to draft these (for the step-time model)."""
-        return 0
-
     def on_verified(self, request: Request, num_accepted: int) -> None:
         """Called after the target verified this request's draft and committed num_accepted of its tokens."""
 
