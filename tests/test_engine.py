@@ -105,6 +105,22 @@ def test_stop_string(llm: LLM) -> None:
 
 
 @pytest.mark.slow
+def test_streamed_deltas_never_send_text_a_stop_string_removes(llm: LLM) -> None:
+    """Counting emits " 6", ",", " " and then "7": the lone " " must not be streamed before the stop string
+    " 7" completes and cuts it."""
+    engine = llm.engine
+    final_text = llm.generate("1, 2, 3, 4,", greedy(16, stop=" 7"), use_tqdm=False)[0].outputs[0].text
+    engine.add_request("1, 2, 3, 4,", greedy(16, stop=" 7"))
+    streamed = ""
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            streamed += o.delta_text
+            assert final_text.startswith(streamed)  # a prefix of the final text at every step
+    assert streamed == final_text
+    assert_idle(llm)
+
+
+@pytest.mark.slow
 def test_stop_token_ids(llm: LLM) -> None:
     prompt = "The capital of France is"
     free = llm.generate(prompt, greedy(12), use_tqdm=False)[0].outputs[0]

@@ -1,8 +1,24 @@
 """turbospec: LLM inference and serving with goodput-steered speculative decoding."""
 
-from .llm import LLM
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from .llm import LLM
+
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # LLM pulls in torch: imported on first use, so that the CLI's argument parsing and the `bench serve`
+    # client (which may run on a machine that only sends requests) start without it
+    if name == "LLM":
+        from .llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'turbospec' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Command line: ``turbospec pull | generate | models``. Bad input exits with code 2 and a one-line reason."""
+"""Command line: ``turbospec pull | models | generate | serve | profile | bench serve``. Bad input exits with code 2 and a one-line reason."""
 
 from __future__ import annotations
 
@@ -38,13 +38,29 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--logprobs", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
-    gen.add_argument("--max-model-len", type=int, default=None)
-    gen.add_argument("--num-threads", type=int, default=None)
-    gen.add_argument("--speculative-config", default=None,
-                     help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
-                          '\'{"method": "draft", "model": "qwen2.5-coder-0.5b"}\'')
+    _engine_flags(gen)
     gen.add_argument("--json", action="store_true", help="print {text, token_ids, prompt_token_ids, finish_reason}")
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve.add_argument("--model", required=True, help="registry name, .gguf path, HF directory or dummy:<shape>")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    _engine_flags(serve)
+    serve.add_argument("--max-num-seqs", type=int, default=32, help="requests in the running batch")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
+    serve.add_argument("--max-pending-requests", type=int, default=256,
+                       help="requests held at once (running + waiting); more get HTTP 503 with Retry-After")
+    serve.add_argument("--graceful-timeout", type=float, default=10.0,
+                       help="seconds SIGTERM waits for in-flight requests before aborting them")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from .bench import serve_bench
+
+    serve_bench.add_arguments(bench_sub.add_parser(
+        "serve", help="load-test any OpenAI-compatible server (turbospec, vLLM, SGLang, llama.cpp)"))
 
     prof = sub.add_parser("profile", help="measure the engine's step time over a grid and cache the fitted model "
                                           "that the goodput controller uses")
@@ -59,6 +75,16 @@ def _parser() -> argparse.ArgumentParser:
     prof.add_argument("--num-threads", type=int, default=None)
     prof.add_argument("--max-num-seqs", type=int, default=32)
     return p
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--speculative-config", default=None,
+                   help='JSON, e.g. \'{"method": "ngram"}\' (the goodput controller picks k), '
+                        '\'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+                        '\'{"method": "draft", "model": "qwen2.5-coder-0.5b"}\'')
 
 
 def _int_list(flag: str, text: str) -> tuple[int, ...]:
@@ -134,6 +160,37 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from .config import EngineConfig
+    from .engine import LLMEngine
+    from .server.app import build_app, run_server
+
+    try:
+        if not 0 < args.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {args.port}")
+        if args.max_pending_requests < 1:
+            raise ValueError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
+        if args.graceful_timeout < 0:
+            raise ValueError(f"--graceful-timeout must be >= 0, got {args.graceful_timeout}")
+        config = EngineConfig(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                              num_threads=args.num_threads, max_num_seqs=args.max_num_seqs,
+                              max_num_batched_tokens=args.max_num_batched_tokens,
+                              speculative_config=args.speculative_config)
+        engine = LLMEngine(config)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    name = args.served_model_name or args.model
+    app = build_app(engine, name, args.max_pending_requests)
+    url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+    policy = "off" if engine.proposer is None else f"{config.speculative_config.method}, k = {engine.spec_mode}"
+    print(f"turbospec: serving {name!r} (speculation: {policy}) at {url}\n"
+          f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+          f"    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n"
+          f"  or any OpenAI client with base_url={url}/v1; metrics at {url}/metrics", flush=True)
+    run_server(app, args.host, args.port, args.log_level, args.graceful_timeout)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)  # argparse itself exits 2 on malformed flags
@@ -150,6 +207,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "profile":
             return _profile(args)
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "bench":
+            from .bench import serve_bench
+
+            return serve_bench.run(args)
     except UsageError as exc:
         print(f"turbospec: error: {exc}", file=sys.stderr)
         return 2

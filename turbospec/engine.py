@@ -100,8 +100,12 @@ class LLMEngine:
     # --- requests ----------------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    prompt_token_ids: list[int] | None = None) -> str:
-        """Validate and queue one request (one completion; n > 1 is fanned out by the caller)."""
+                    prompt_token_ids: list[int] | None = None, *, speculate: bool = True,
+                    arrival_time: float | None = None) -> str:
+        """Validate and queue one request (one completion; n > 1 is fanned out by the caller).
+
+        speculate=False keeps this request at k = 0 whatever the policy; arrival_time (time.monotonic) lets a
+        server count the time a request spent before it reached the engine."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         text = prompt if isinstance(prompt, str) else None
@@ -112,7 +116,7 @@ class LLMEngine:
                 prompt_token_ids = self.tokenizer.encode(prompt)
             else:
                 prompt_token_ids = list(prompt)
-        self._check_prompt(prompt_token_ids, params)
+        self.check_prompt(prompt_token_ids, params)
         rid = request_id or uuid.uuid4().hex
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -121,13 +125,17 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
             generator=None if params.greedy else make_generator(params.seed),
             eos_token_ids=() if params.ignore_eos else self.tokenizer.eos_token_ids,
-            logprobs=[] if params.logprobs is not None else None,
+            logprobs=[] if params.logprobs is not None else None, speculate=speculate,
         )
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
 
-    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+    def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if this prompt cannot run (empty, unknown ids, too long). Reads nothing that steps
+        change, so a server may call it from another thread before queueing the request."""
         if not ids:
             raise ValueError("prompt is empty: give at least one character or token")
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.model_config.vocab_size]
@@ -145,7 +153,19 @@ class LLMEngine:
             return None
         self.scheduler.finish(req, "abort")
         self._release(req)
-        return self._output(req, [], "")
+        return self._output(req, [])
+
+    def fail_request(self, request_id: str, message: str) -> RequestOutput | None:
+        """Finish one request with finish_reason "error" (its KV is freed); the others carry on."""
+        req = self.requests.pop(request_id, None)
+        if req is None or req.is_finished:
+            return None
+        self.scheduler.finish(req, "error")
+        req.error = message
+        self._release(req)
+        out = self._output(req, [])
+        out.error = message
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -250,7 +270,8 @@ class LLMEngine:
         assert self.spec is not None
         limit = self.spec.k_limit if self.spec_mode == "auto" else int(self.spec_mode)
         # never draft past max_tokens: the last token is always the verifier's own
-        caps = [max(0, min(limit, r.params.max_tokens - len(r.output_token_ids) - 1)) for r in decoding]
+        caps = [max(0, min(limit if r.speculate else 0, r.params.max_tokens - len(r.output_token_ids) - 1))
+                for r in decoding]
         if self.spec_mode != "auto":
             return {r.request_id: k for r, k in zip(decoding, caps)}
         assert self.controller is not None
@@ -324,7 +345,15 @@ class LLMEngine:
             accepted = result[1] if result else 0
             decoding = s.samples and s.num_new_tokens == 1  # before appending: that moves the end
             if result:  # append first: committing hashes the accepted tokens into the prefix cache
-                outputs.append(self._append(req, result[0], now))
+                try:
+                    outputs.append(self._append(req, result[0], now))
+                except Exception as exc:  # e.g. the tokenizer fails on this request's text: fail it alone
+                    log.exception("request %s failed while appending tokens", req.request_id)
+                    failed = self.fail_request(req.request_id, f"{type(exc).__name__}: {exc}")
+                    if failed is not None:
+                        outputs.append(failed)
+                    req.spec_token_ids, req.spec_draft_probs = [], None
+                    continue
             self.scheduler.commit(s, accepted)
             if decoding:
                 self.spec_stats.observe_choice(num_drafts)
@@ -430,10 +459,10 @@ class LLMEngine:
             if self._check_stop_token(req, tok):
                 break
         delta = req.detokenizer.add(self._text_ids(req, added))
-        delta = self._check_stop_strings(req, delta)
+        self._check_stop_strings(req, delta)
         if req.is_finished:
             self._release(req)
-        return self._output(req, added, delta)
+        return self._output(req, added)
 
     @staticmethod
     def _text_ids(req: Request, ids: list[int]) -> list[int]:
@@ -461,33 +490,33 @@ class LLMEngine:
             self.scheduler.finish(req, *reason)
         return reason is not None
 
-    def _check_stop_strings(self, req: Request, delta: str) -> str:
+    def _check_stop_strings(self, req: Request, delta: str) -> None:
         """Cut the text at the first stop string that the new delta completes, and finish the request."""
         if not req.params.stop or not delta:
-            return delta
+            return
         text = req.detokenizer.text
         search_from = max(0, len(text) - len(delta) - max(len(s) for s in req.params.stop) + 1)
         hits = [(text.find(s, search_from), s) for s in req.params.stop]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:
-            return delta
+            return
         idx, stop = min(hits)
-        cut = idx + len(stop) if req.params.include_stop_str_in_output else idx
-        old_len = len(text) - len(delta)
-        req.detokenizer.text = text[:cut]
+        req.detokenizer.text = text[:idx + len(stop) if req.params.include_stop_str_in_output else idx]
         if not req.is_finished:
             self.scheduler.finish(req, "stop", stop)
         else:
             req.finish_reason, req.stop_reason = "stop", stop
-        return text[old_len:cut] if cut > old_len else ""
 
-    def _output(self, req: Request, added: list[int], delta: str) -> RequestOutput:
+    def _output(self, req: Request, added: list[int]) -> RequestOutput:
         text = req.detokenizer.text
         if req.is_finished and not isinstance(req.stop_reason, str):
             # the windowed decode can hold back an incomplete character at the very end; settle it now
-            full = self.tokenizer.decode(self._text_ids(req, req.output_token_ids), req.params.skip_special_tokens)
-            delta += full[len(text):] if full.startswith(text) else ""
-            text = full
+            text = self.tokenizer.decode(self._text_ids(req, req.output_token_ids), req.params.skip_special_tokens)
+        # While a stop string could still complete, its possible start is held back: a stream must never send
+        # text that the stop string later cuts away.
+        hold = 0 if req.is_finished or not req.params.stop else max(len(s) for s in req.params.stop) - 1
+        end = max(req.num_sent_chars, len(text) - hold)
+        delta, req.num_sent_chars = text[req.num_sent_chars:end], end
         completion = CompletionOutput(
             index=0, text=text, token_ids=list(req.output_token_ids),
             cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
@@ -495,6 +524,6 @@ class LLMEngine:
         )
         metrics = RequestMetrics(req.arrival_time, req.first_token_time,
                                  time.monotonic() if req.is_finished else None, req.num_cached_tokens,
-                                 req.num_preemptions)
+                                 req.num_preemptions, req.first_scheduled_time)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.is_finished,
                              metrics, delta, added)

@@ -35,6 +35,7 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None
 
 
 @dataclass

@@ -41,6 +41,9 @@ class Request:
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
     first_token_time: float | None = None
+    num_sent_chars: int = 0  # output text already handed out as deltas
+    first_scheduled_time: float | None = None  # when it first left the waiting queue (queue time ends)
+    speculate: bool = True  # False: never given draft tokens (a per-request opt-out)
     # Draft tokens proposed for this request, verified by the next step (speculative decoding).
     spec_token_ids: list[int] = field(default_factory=list)
     spec_draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), V] when the drafts were sampled

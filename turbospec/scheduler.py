@@ -9,6 +9,7 @@ are freed and it is recomputed later from its prompt and output so far, so nothi
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from collections.abc import Callable
@@ -122,6 +123,8 @@ class Scheduler:
             req.num_computed_tokens = req.num_cached_tokens
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
             budget -= num_new

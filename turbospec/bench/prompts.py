@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,3 +176,31 @@ def load_sharegpt(n: int, min_chars: int = 20, max_chars: int = 2000) -> list[Be
                 if len(prompts) >= n:
                     break
     return prompts
+
+
+# Common English words, each one token (with its leading space) for typical BPE tokenizers, so a prompt of
+# n words is about n tokens.
+RANDOM_WORDS: tuple[str, ...] = (
+    "the", "of", "and", "to", "in", "is", "was", "for", "on", "are", "with", "as", "at", "be", "by", "this", "from",
+    "or", "have", "an", "they", "which", "one", "you", "were", "her", "all", "she", "there", "would", "their", "we",
+    "him", "been", "has", "when", "who", "will", "more", "no", "if", "out", "so", "said", "what", "up", "its",
+    "about", "into", "than", "them", "can", "only", "other", "new", "some", "could", "time", "these", "two", "may",
+    "then", "do", "first", "any", "my", "now", "such", "like", "our", "over", "man", "me", "even", "most", "made",
+    "after", "also", "did", "many", "before", "must", "through", "back", "years", "where", "much", "your", "way",
+    "well", "down", "should", "because", "each", "just", "those", "people", "how", "too", "little", "state", "good",
+    "very", "make", "world", "still", "own", "see", "men", "work", "long", "get", "here", "between", "both", "life",
+    "being", "under", "never", "day", "same", "another", "know", "while", "last", "might", "us", "great", "old",
+    "year", "off", "come", "since", "against", "go", "came", "right", "used", "take", "three",
+)
+
+
+def load_random(n: int, input_len: int, seed: int = 0) -> list[BenchPrompt]:
+    """`n` prompts of `input_len` words drawn uniformly from RANDOM_WORDS (about `input_len` tokens each), ids
+    ``random/<i>``; the same seed gives the same prompts, and distinct prompts rarely share a prefix, so a
+    prefix cache does not flatter the results."""
+    if n < 0:
+        raise ValueError(f"number of random prompts must be >= 0, got {n}")
+    if input_len < 1:
+        raise ValueError(f"random input length must be >= 1 word, got {input_len}")
+    rng = random.Random(seed)
+    return [BenchPrompt(f"random/{i}", " ".join(rng.choices(RANDOM_WORDS, k=input_len))) for i in range(n)]

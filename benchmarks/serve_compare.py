@@ -1,0 +1,202 @@
+"""`turbospec bench serve` against turbospec's server and llama.cpp's, side by side, on one machine.
+
+Each (server, rate) pair gets a freshly started server, so no run profits from a prefix cache that an earlier
+run filled, and one unrelated warm-up request before measuring. Targets:
+- turbospec, n-gram speculation chosen by the goodput controller (what `make run` starts);
+- turbospec with speculation turned off per request (`"speculation": false`), the same server otherwise;
+- llama.cpp through llama-cpp-python's OpenAI server, when `--llamacpp-python` points at a Python that has it
+  (REFERENCE.md section 7 says how to build it here), running the same GGUF file.
+
+    python benchmarks/serve_compare.py --rates 0.5,1,2 --num-prompts 40 --max-tokens 128 \
+        --llamacpp-python /tmp/llamacpp-venv/bin/python --output benchmarks/results/serve_compare
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+TURBOSPEC = str(Path(sys.executable).parent / "turbospec")
+
+
+@dataclass
+class Target:
+    name: str
+    command: list[str]
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    cwd: str | None = None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def targets(args: argparse.Namespace, port: int) -> list[Target]:
+    serve = [TURBOSPEC, "serve", "--model", args.model, "--port", str(port), "--num-threads", str(args.threads),
+             "--speculative-config", json.dumps({"method": "ngram"}), "--log-level", "warning"]
+    out = [Target("turbospec (adaptive n-gram)", serve),
+           Target("turbospec (no speculation)", serve, {"speculation": False})]
+    if args.llamacpp_python:
+        from turbospec.models import registry
+
+        gguf = registry.gguf_path(args.model)
+        out.append(Target("llama.cpp (llama-cpp-python server)", [
+            args.llamacpp_python, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port),
+            "--n_threads", str(args.threads), "--n_ctx", "2048"], cwd="/tmp"))
+    return out
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("the server did not become ready")
+
+
+def warm_up(url: str) -> None:
+    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0})
+
+
+def run_one(args: argparse.Namespace, target: Target, rate: str, prefix: Path) -> dict[str, Any]:
+    port = int(target.command[target.command.index("--port") + 1])
+    url = f"http://127.0.0.1:{port}"
+    with open(f"{prefix}.server.log", "w") as log:
+        proc = subprocess.Popen(target.command, stdout=log, stderr=subprocess.STDOUT, cwd=target.cwd)
+        return _measure(args, target, rate, prefix, url, proc)
+
+
+def _measure(args: argparse.Namespace, target: Target, rate: str, prefix: Path, url: str,
+             proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+    try:
+        wait_ready(url, proc)
+        warm_up(url)
+        bench = [TURBOSPEC, "bench", "serve", "--base-url", url, "--endpoint", "chat", "--dataset", args.dataset,
+                 "--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens), "--temperature", "0",
+                 "--request-rate", rate, "--seed", str(args.seed), "--label", target.name,
+                 "--output", str(prefix), "--goodput", *args.goodput.split()]
+        if target.extra_body:
+            bench += ["--extra-body", json.dumps(target.extra_body)]
+        subprocess.run(bench, check=False)
+        return json.loads(Path(f"{prefix}.json").read_text())
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def table(runs: list[dict[str, Any]]) -> list[str]:
+    lines = [("| server | rate (req/s) | completed | failed | out tok/s | TTFT mean (ms) | TTFT p99 | "
+              "TPOT mean (ms) | E2EL mean (ms) | E2EL p99 | goodput (req/s) | acceptance |"),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for run in runs:
+        for r in run["rates"]:
+            spec = (r.get("speculation") or {}).get("turbospec") or {}
+            acc = f"{spec['acceptance_rate']:.2f}" if spec.get("acceptance_rate") is not None else "-"
+            lines.append(
+                f"| {run['label']} | {r['request_rate']} | {r['completed']} | {r['failed']} | "
+                f"{r['output_throughput']:.1f} | {r['ttft_ms']['mean']:.0f} | {r['ttft_ms']['p99']:.0f} | "
+                f"{r['tpot_ms']['mean']:.1f} | {r['e2el_ms']['mean']:.0f} | {r['e2el_ms']['p99']:.0f} | "
+                f"{r['request_goodput']:.2f} | {acc} |")
+    return lines
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    by_target: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        by_target.setdefault(run["label"], []).extend(run["rates"])
+    for label, rows in by_target.items():
+        rates = [r["request_rate"] for r in rows]
+        axes[0].plot(rates, [r["e2el_ms"]["mean"] / 1000 for r in rows], "o-", label=f"{label} mean")
+        axes[0].plot(rates, [r["e2el_ms"]["p99"] / 1000 for r in rows], "x--", label=f"{label} p99")
+        axes[1].plot(rates, [r["ttft_ms"]["mean"] / 1000 for r in rows], "o-", label=label)
+        axes[2].plot(rates, [r["output_throughput"] for r in rows], "o-", label=label)
+    for ax, title in zip(axes, ("end-to-end latency (s)", "mean time to first token (s)", "output tokens/s")):
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[1].set_yscale("log")
+    axes[0].legend(fontsize=7)
+    axes[2].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--rates", default="0.5,1,2")
+    p.add_argument("--dataset", default="mtbench")
+    p.add_argument("--num-prompts", type=int, default=40)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--goodput", default="ttft:2000 tpot:100", help="SLOs passed to bench serve")
+    p.add_argument("--llamacpp-python", default=None, help="a Python with llama-cpp-python[server] installed")
+    p.add_argument("--output", default="benchmarks/results/serve_compare")
+    args = p.parse_args()
+    out = Path(args.output)
+    work = out.parent / (out.name + "_runs")
+    work.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for target in targets(args, free_port()):
+        merged: dict[str, Any] | None = None
+        for rate in args.rates.split(","):
+            slug = re.sub(r"[^a-z0-9]+", "_", target.name.lower()).strip("_")
+            result = run_one(args, target, rate, work / f"{slug}_{rate}")
+            if merged is None:
+                merged = result
+            else:
+                merged["rates"] += result["rates"]
+        assert merged is not None
+        for r in merged["rates"]:
+            r.pop("requests", None)  # the per-run files keep them
+        runs.append(merged)
+    from turbospec.bench.machine import machine_info
+
+    summary = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "machine": machine_info(args.threads),
+               "config": vars(args), "runs": runs}
+    out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    md = [f"# Serving benchmark: {args.model}, {args.dataset} prompts, Poisson arrivals", "",
+          f"`{summary['command']}`  ",
+          (f"{summary['machine']['cpu']}, {args.threads} threads, {summary['machine']['date']}, "
+           f"commit {summary['machine']['commit']}"), "", *table(runs), ""]
+    out.with_suffix(".md").write_text("\n".join(md))
+    plot(runs, out.with_suffix(".png"))
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

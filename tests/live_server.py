@@ -1,0 +1,50 @@
+"""A real turbospec HTTP server (uvicorn on a free localhost port) in a background thread, for tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import uvicorn
+
+from turbospec.engine import LLMEngine
+from turbospec.server.app import build_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    engine: LLMEngine
+    url: str  # http://127.0.0.1:PORT
+
+    @property
+    def v1(self) -> str:
+        return self.url + "/v1"
+
+
+@contextmanager
+def live_server(engine: LLMEngine, model_name: str, max_pending: int = 256) -> Iterator[LiveServer]:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, model_name, max_pending), host="127.0.0.1",
+                                           port=port, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield LiveServer(engine, f"http://127.0.0.1:{port}")
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

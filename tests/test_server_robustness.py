@@ -1,0 +1,231 @@
+"""The server under hostile or unlucky conditions: fuzzed bodies, overload, failing requests, a failing engine
+step, SIGTERM. A dummy-weight model (`dummy:tiny`, byte tokenizer) keeps each request cheap; what is tested
+is the serving layer, which does not care whether the weights are trained."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from live_server import LiveServer, free_port, live_server
+
+from turbospec.cli import main
+from turbospec.config import EngineConfig
+from turbospec.engine import LLMEngine
+
+MODEL = "tiny"
+ENGINE = {"num_threads": 1, "max_model_len": 64}
+
+
+def tiny_engine() -> LLMEngine:
+    return LLMEngine(EngineConfig("dummy:tiny", **ENGINE), progress=False)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    with live_server(tiny_engine(), MODEL) as live:
+        yield live
+
+
+def greedy(server: LiveServer, prompt: str = "hello", **extra: Any) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, **extra}
+    return httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+
+
+# --- fuzzing against the OpenAPI schema ---------------------------------------------------------------------------
+
+def _body_fields(schema: dict[str, Any], path: str) -> list[str]:
+    ref = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    return sorted(schema["components"]["schemas"][ref.rsplit("/", 1)[1]]["properties"])
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) |
+    st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=40),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    max_leaves=12,
+)
+# values a field of the right kind might plausibly hold, so that fuzzing also reaches the deeper checks
+NEAR_MISS = st.sampled_from([0, 1, -1, 2, 8, 64, 10**6, 0.0, 0.5, 1.5, -0.1, "", "x", "hello", [], [1, 2], [""],
+                             ["a", "b"], [[1, 2]], {}, {"include_usage": True}, {"type": "text"}, True, False, None,
+                             [{"role": "user", "content": "hi"}], [{"role": "user"}], [{"role": "bot", "content": 1}]])
+POST_PATHS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+
+
+def test_fuzzed_requests_never_break_the_server(server: LiveServer) -> None:
+    schema = httpx.get(server.url + "/openapi.json").json()
+    fields = {path: _body_fields(schema, path) for path in POST_PATHS}
+    reference = greedy(server).json()["choices"][0]["text"]
+    statuses: dict[int, int] = {}
+    client = httpx.Client(base_url=server.url, timeout=60)
+
+    @st.composite
+    def bodies(draw: st.DrawFn) -> tuple[str, bytes]:
+        path = draw(st.sampled_from(POST_PATHS))
+        if draw(st.integers(0, 9)) == 0:  # raw bytes: broken JSON, wrong encodings, empty bodies
+            return path, draw(st.binary(max_size=64))
+        keys = draw(st.lists(st.sampled_from(fields[path]) | st.text(max_size=8), max_size=6, unique=True))
+        body = {k: draw(NEAR_MISS | JSON_VALUES) for k in keys}
+        return path, json.dumps(body).encode()
+
+    @settings(max_examples=2000, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(bodies())
+    def one(case: tuple[str, bytes]) -> None:
+        path, content = case
+        r = client.post(path, content=content, headers={"Content-Type": "application/json"})
+        statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+        assert r.status_code in (200, 400, 404), (path, content, r.status_code, r.text)
+        if r.status_code != 200:
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"]
+        elif r.headers["content-type"].startswith("text/event-stream"):
+            assert r.text.rstrip().endswith("data: [DONE]")
+
+    one()
+    client.close()
+    assert statuses.get(400, 0) > 1000 and statuses.get(200, 0) > 0, statuses  # both paths were exercised
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert greedy(server).json()["choices"][0]["text"] == reference
+    assert not server.engine.requests and server.engine.blocks.usage() == 0
+
+
+# --- overload, failures ----------------------------------------------------------------------------------------------
+
+def test_queue_limit_answers_503_then_recovers() -> None:
+    engine = tiny_engine()
+    gate = threading.Event()
+    step = engine.step
+
+    def gated_step():  # hold the engine so that the first two requests are surely still pending
+        gate.wait(30)
+        return step()
+
+    engine.step = gated_step  # type: ignore[method-assign]
+    with live_server(engine, MODEL, max_pending=2) as live:
+        body = {"model": MODEL, "prompt": "a", "max_tokens": 8, "temperature": 0}
+
+        async def run() -> tuple[list[httpx.Response], httpx.Response]:
+            async with httpx.AsyncClient(base_url=live.url, timeout=60) as c:
+                held = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(2)]
+                while len(engine.requests) < 2:
+                    await asyncio.sleep(0.005)
+                third = await c.post("/v1/completions", json=body)
+                gate.set()
+                return list(await asyncio.gather(*held)), third
+
+        held, third = asyncio.run(run())
+        assert third.status_code == 503 and third.headers["retry-after"] == "1"
+        assert third.json()["error"]["code"] == "server_overloaded"
+        assert [r.status_code for r in held] == [200, 200]
+        assert greedy(live).status_code == 200
+
+
+def test_one_failing_request_fails_alone(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = server.engine
+    reference = greedy(server, "fine").json()["choices"][0]["text"]
+    original = engine._append
+
+    def append_or_fail(req, tokens, now):  # the seed marks the request to break: a stand-in for a tokenizer bug
+        if req.params.seed == 666:
+            raise RuntimeError("detokenizer exploded")
+        return original(req, tokens, now)
+
+    monkeypatch.setattr(engine, "_append", append_or_fail)
+    bad = {"model": MODEL, "prompt": "boom", "max_tokens": 8, "temperature": 1.0, "seed": 666}
+
+    async def run() -> tuple[httpx.Response, httpx.Response, str]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            good = c.post("/v1/completions", json={"model": MODEL, "prompt": "fine", "max_tokens": 8,
+                                                   "temperature": 0})
+            failing = c.post("/v1/completions", json=bad)
+            streamed = c.post("/v1/completions", json={**bad, "stream": True})
+            g, f, s = await asyncio.gather(good, failing, streamed)
+            return g, f, s.text
+
+    good, failing, streamed = asyncio.run(run())
+    assert good.status_code == 200 and good.json()["choices"][0]["text"] == reference
+    assert failing.status_code == 500 and "detokenizer exploded" in failing.json()["error"]["message"]
+    assert '"error"' in streamed and "detokenizer exploded" in streamed and streamed.rstrip().endswith("[DONE]")
+    assert not engine.requests and engine.blocks.usage() == 0
+
+
+def test_a_failing_engine_step_fails_its_requests_and_serving_continues(server: LiveServer,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = server.engine.runner
+    original = runner.execute
+    calls = {"n": 0}
+
+    def fail_once(sched):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated kernel failure")
+        return original(sched)
+
+    monkeypatch.setattr(runner, "execute", fail_once)
+    first = greedy(server)
+    assert first.status_code == 500 and "simulated kernel failure" in first.json()["error"]["message"]
+    assert greedy(server).status_code == 200
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+# --- the command line: flags, SIGTERM ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags", [["--port", "0"], ["--max-pending-requests", "0"], ["--max-model-len", "-3"],
+                                   ["--speculative-config", "{oops"]])
+def test_serve_refuses_bad_flags_with_exit_2(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--model", "dummy:tiny", *flags]) == 2
+    assert "turbospec: error:" in capsys.readouterr().err
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0() -> None:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "turbospec.cli", "serve", "--model", "dummy:tiny", "--port",
+                             str(port), "--max-model-len", "512", "--num-threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
+            time.sleep(0.1)
+        received: list[str] = []
+
+        def stream() -> None:
+            body = {"model": "dummy:tiny", "prompt": "a", "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+                    "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                received.extend(r.iter_lines())
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        while not received:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        reader.join(timeout=30)
+        assert [line for line in received if line][-1] == "data: [DONE]"  # finished, not cut
+        assert '"finish_reason": "length"' in "".join(received)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = proc.stdout.read() if proc.stdout else ""
+    assert "curl http://127.0.0.1" in out  # it printed how to call it

@@ -1,0 +1,211 @@
+"""One engine, many clients: the synchronous LLMEngine runs in a background thread and the asyncio side talks
+to it through a command queue (add, abort) and per-request output queues.
+
+Only the engine thread touches the engine, so the engine needs no locks. Every step's outputs cross to the
+event loop in one ``call_soon_threadsafe``. A request whose consumer goes away (a client disconnects, a
+handler is cancelled) is aborted, which frees its KV blocks; a failure inside the engine fails the requests
+it touched and the loop carries on with the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from ..engine import LLMEngine
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+
+log = logging.getLogger("turbospec.server")
+
+IDLE_WAIT_S = 0.5  # how long the idle engine thread sleeps between checks for new commands
+
+
+class EngineOverloaded(Exception):
+    """Too many requests are queued: the client should retry later (HTTP 503)."""
+
+
+class EngineDead(Exception):
+    """The engine thread has stopped (shutdown or a crash)."""
+
+
+class RequestFailed(Exception):
+    """The engine refused or failed this request; the message says why."""
+
+
+@dataclass
+class _Stream:
+    """The asyncio end of one engine request."""
+
+    queue: asyncio.Queue[RequestOutput | Exception] = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    speculate: bool
+    arrival_time: float
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+StepObserver = Callable[[LLMEngine, list[RequestOutput]], None]
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_pending: int, on_step: StepObserver | None = None) -> None:
+        self.engine = engine
+        self.max_pending = max_pending
+        self.on_step = on_step  # called in the engine thread with each round's outputs (metrics)
+        self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._streams: dict[str, _Stream] = {}  # read and written on the event loop only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # what killed the engine thread, if anything did
+
+    # --- lifecycle -----------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="turbospec-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Abort whatever is still running, stop the thread and fail the remaining streams."""
+        for rid in list(self._streams):
+            self._commands.put(_Abort(rid))
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+        for stream in self._streams.values():
+            stream.queue.put_nowait(EngineDead("the server is shutting down"))
+        self._streams.clear()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._streams)
+
+    # --- the asyncio side ----------------------------------------------------------------------------------
+
+    def check_capacity(self, num_requests: int) -> None:
+        if not self.is_alive:
+            raise EngineDead("the engine is not running")
+        if len(self._streams) + num_requests > self.max_pending:
+            raise EngineOverloaded(f"the server already holds {len(self._streams)} requests (limit "
+                                   f"{self.max_pending}): retry later")
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       speculate: bool = True, arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Queue one request and yield its outputs until it finishes. Leaving the loop early (a disconnect,
+        a cancelled handler) aborts the request in the engine."""
+        self.check_capacity(1)
+        stream = _Stream()
+        self._streams[request_id] = stream
+        self._send(_Add(request_id, prompt_token_ids, params, speculate, arrival_time or time.monotonic()))
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    stream.finished = True
+                    raise item
+                if item.finished:
+                    stream.finished = True
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not stream.finished:
+                self._send(_Abort(request_id))
+
+    def _send(self, command: _Add | _Abort) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _deliver(self, outputs: list[RequestOutput | tuple[str, Exception]]) -> None:
+        """On the event loop: hand each output to its request's stream (gone streams were aborted)."""
+        for out in outputs:
+            rid, item = (out[0], out[1]) if isinstance(out, tuple) else (out.request_id, out)
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.queue.put_nowait(item)
+
+    # --- the engine thread ---------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                items = self._apply_commands()
+                busy = self.engine.has_unfinished_requests()
+                if busy:
+                    items += self._step()
+                self._observe(items)
+                self._post(items)
+                if not busy:
+                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.clear()
+            self._post(self._apply_commands())
+        except BaseException as exc:  # recorded for /health, then the thread ends
+            log.exception("the engine thread died")
+            self.error = exc
+            self._stop.set()
+
+    def _observe(self, items: list[RequestOutput | tuple[str, Exception]]) -> None:
+        if self.on_step is None:
+            return
+        try:
+            self.on_step(self.engine, [item for item in items if isinstance(item, RequestOutput)])
+        except Exception:  # metrics must never stop serving
+            log.exception("step observer failed")
+
+    def _post(self, items: list[RequestOutput | tuple[str, Exception]]) -> None:
+        if items and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._deliver, items)
+
+    def _apply_commands(self) -> list[RequestOutput | tuple[str, Exception]]:
+        results: list[RequestOutput | tuple[str, Exception]] = []
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return results
+            if isinstance(cmd, _Abort):
+                out = self.engine.abort_request(cmd.request_id)
+                if out is not None:
+                    results.append(out)
+                continue
+            try:
+                self.engine.add_request(cmd.prompt_token_ids, cmd.params, request_id=cmd.request_id,
+                                        prompt_token_ids=cmd.prompt_token_ids, speculate=cmd.speculate,
+                                        arrival_time=cmd.arrival_time)
+            except ValueError as exc:
+                results.append((cmd.request_id, RequestFailed(str(exc))))
+
+    def _step(self) -> list[RequestOutput | tuple[str, Exception]]:
+        engine = self.engine
+        try:
+            outputs = engine.step()
+        except Exception as exc:  # one bad step fails its requests, not the server
+            log.exception("engine step failed; failing the running requests")
+            message = f"internal error in the engine step: {type(exc).__name__}: {exc}"
+            failed = [engine.fail_request(r.request_id, message) for r in list(engine.scheduler.running)]
+            return [out for out in failed if out is not None]  # finish_reason "error", with the message
+        return list(outputs)

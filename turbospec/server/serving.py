@@ -1,0 +1,323 @@
+"""What the completion endpoints do between the HTTP layer and the async engine: turn a validated request into
+engine jobs (one per prompt and choice), run them, and shape the results as a response or a stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+from .async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestFailed
+from .errors import APIError, bad_request, error_body, param_of
+from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, UnsupportedValue, _SamplingFields
+from .responses import chat_logprobs, completion_logprobs, sse, usage
+
+DISCONNECT_POLL_S = 0.5
+SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
+IsDisconnected = Callable[[], Awaitable[bool]]
+
+
+@dataclass
+class Job:
+    """One engine request: a prompt and one of its n choices."""
+
+    index: int  # the choice index in the response
+    prompt_index: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    echo: str = ""  # completions with echo: the prompt text, put before the first delta
+
+
+@dataclass
+class _ChoiceState:
+    text_len: int = 0  # characters sent so far (the logprobs' text offsets)
+    tokens: int = 0
+    started: bool = False
+
+
+@dataclass
+class _Run:
+    jobs: list[Job]
+    speculate: bool
+    arrival: float
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+
+    # --- validation ---------------------------------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"the model {name!r} does not exist: this server serves {self.model_name!r}",
+                           "not_found_error", "model", "model_not_found")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except Exception as exc:  # a tokenizer failure is this request's problem only
+            raise bad_request(f"the prompt could not be tokenized: {type(exc).__name__}: {exc}", "prompt") from exc
+
+    def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        try:
+            return self.tokenizer.apply_chat_template([m.as_template_message() for m in messages],
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # templates raise for bad role orders and more
+            raise bad_request(f"the chat template refused these messages: {exc}", "messages") from exc
+
+    def make_jobs(self, req: _SamplingFields, prompts: list[list[int]], logprobs: int | None,
+                  max_tokens: int | None, echo: list[str] | None = None) -> list[Job]:
+        try:
+            req.check_supported()
+        except UnsupportedValue as exc:
+            raise bad_request(str(exc), exc.param) from exc
+        base = uuid.uuid4().hex
+        jobs: list[Job] = []
+        for p, ids in enumerate(prompts):
+            if len(ids) >= self.max_model_len:
+                raise bad_request(f"the prompt has {len(ids)} tokens, but this server's context is "
+                                  f"{self.max_model_len} tokens (prompt plus output)", "prompt")
+            try:
+                # no max_tokens: whatever the context leaves, as vLLM does
+                params = req.sampling_params(max_tokens or self.max_model_len - len(ids), logprobs)
+                self.engine.engine.check_prompt(ids, params)
+            except ValueError as exc:
+                message = str(exc)
+                raise bad_request(message, param_of(message, SAMPLING_FIELDS) or
+                                  ("max_tokens" if "max_tokens" in message else "prompt")) from exc
+            for j in range(req.n):
+                seed = None if req.seed is None else req.seed + j  # n seeded choices must differ
+                jobs.append(Job(p * req.n + j, p, f"{base}-{p}-{j}", ids,
+                                params if req.n == 1 else params.clone(seed=seed), echo[p] if echo else ""))
+        try:
+            self.engine.check_capacity(len(jobs))
+        except EngineOverloaded as exc:
+            raise APIError(503, str(exc), "overloaded_error", code="server_overloaded") from exc
+        except EngineDead as exc:
+            raise APIError(503, str(exc), "server_error", code="engine_dead") from exc
+        return jobs
+
+    # --- running jobs ----------------------------------------------------------------------------------------
+
+    async def _outputs(self, run: _Run) -> AsyncIterator[tuple[Job, RequestOutput]]:
+        """Every job's outputs, interleaved as they come. Leaving early cancels (and so aborts) all of them."""
+        merged: asyncio.Queue[tuple[Job, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+        async def pump(job: Job) -> None:
+            try:
+                async for out in self.engine.generate(job.request_id, job.prompt_ids, job.params,
+                                                      run.speculate, run.arrival):
+                    merged.put_nowait((job, out))
+            except Exception as exc:  # handed to the consumer, which decides
+                merged.put_nowait(exc)
+            finally:
+                merged.put_nowait(None)
+
+        tasks = [asyncio.create_task(pump(job)) for job in run.jobs]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await merged.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def collect(self, run: _Run, is_disconnected: IsDisconnected) -> list[RequestOutput]:
+        """Run to completion, one final output per job; abort everything if the client goes away."""
+        finals: dict[int, RequestOutput] = {}
+
+        async def consume() -> None:
+            async for job, out in self._outputs(run):
+                if out.finished:
+                    finals[job.index] = out
+
+        task = asyncio.create_task(consume())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if not task.done() and await is_disconnected():
+                    task.cancel()
+                    raise APIError(499, "the client disconnected", "client_closed_request")
+            task.result()
+        except (RequestFailed, EngineDead) as exc:
+            raise _engine_error(exc) from exc
+        finally:
+            if not task.done():
+                task.cancel()
+        outs = [finals[job.index] for job in run.jobs]
+        for out in outs:
+            reason = out.outputs[0].finish_reason
+            if reason == "error":
+                raise APIError(500, f"generation failed: {out.error}", "internal_server_error")
+            if reason == "abort":
+                raise APIError(503, "the request was aborted: the server is shutting down", "server_error")
+        return outs
+
+    # --- /v1/completions ------------------------------------------------------------------------------------
+
+    def completion_run(self, req: CompletionRequest, arrival: float) -> _Run:
+        self.check_model(req.model)
+        try:
+            raw = req.prompts()
+        except UnsupportedValue as exc:
+            raise bad_request(str(exc), exc.param) from exc
+        prompts = [self.encode(p) if isinstance(p, str) else p for p in raw]
+        echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in raw] if req.echo else None
+        return _Run(self.make_jobs(req, prompts, req.logprobs, req.max_tokens, echo), req.speculation, arrival)
+
+    async def completion(self, req: CompletionRequest, run: _Run, is_disconnected: IsDisconnected) -> dict[str, Any]:
+        outs = await self.collect(run, is_disconnected)
+        choices = []
+        for job, out in zip(run.jobs, outs):
+            c = out.outputs[0]
+            choices.append({
+                "index": job.index, "text": job.echo + c.text,
+                "logprobs": None if c.logprobs is None else
+                completion_logprobs(c.token_ids, c.logprobs, self.tokenizer.token_text, len(job.echo)),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            })
+        return {**self._envelope("cmpl", "text_completion", run), "choices": choices, "usage": self._usage(run, outs)}
+
+    async def completion_stream(self, req: CompletionRequest, run: _Run) -> AsyncIterator[str]:
+        states = {job.index: _ChoiceState() for job in run.jobs}
+        chunk = self._chunker("cmpl", "text_completion", run, req)
+
+        async for job, out in self._guarded(run):
+            if isinstance(out, str):
+                yield out
+                return
+            st, c = states[job.index], out.outputs[0]
+            text = out.delta_text if st.started else job.echo + out.delta_text
+            logprobs = None
+            if c.logprobs is not None and out.delta_token_ids:
+                n = len(out.delta_token_ids)
+                logprobs = completion_logprobs(out.delta_token_ids, c.logprobs[len(c.logprobs) - n:],
+                                               self.tokenizer.token_text, st.text_len)
+            st.started, st.text_len, st.tokens = True, st.text_len + len(text), len(c.token_ids)
+            if text or out.finished or logprobs:
+                yield chunk([{"index": job.index, "text": text, "logprobs": logprobs,
+                              "finish_reason": c.finish_reason if out.finished else None,
+                              "stop_reason": c.stop_reason if out.finished else None}])
+        if req.include_usage:
+            yield chunk([], {"usage": self._stream_usage(run, states)})
+        yield sse("[DONE]")
+
+    # --- /v1/chat/completions -------------------------------------------------------------------------------
+
+    def chat_run(self, req: ChatCompletionRequest, arrival: float) -> _Run:
+        self.check_model(req.model)
+        ids = self.chat_ids(req.messages, req.add_generation_prompt)
+        return _Run(self.make_jobs(req, [ids], req.num_logprobs, req.requested_max_tokens), req.speculation, arrival)
+
+    async def chat(self, req: ChatCompletionRequest, run: _Run, is_disconnected: IsDisconnected) -> dict[str, Any]:
+        outs = await self.collect(run, is_disconnected)
+        choices = []
+        for job, out in zip(run.jobs, outs):
+            c = out.outputs[0]
+            choices.append({
+                "index": job.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": None if c.logprobs is None else
+                chat_logprobs(c.token_ids, c.logprobs, self.tokenizer.token_text, req.top_logprobs or 0),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            })
+        return {**self._envelope("chatcmpl", "chat.completion", run), "choices": choices,
+                "usage": self._usage(run, outs)}
+
+    async def chat_stream(self, req: ChatCompletionRequest, run: _Run) -> AsyncIterator[str]:
+        states = {job.index: _ChoiceState() for job in run.jobs}
+        chunk = self._chunker("chatcmpl", "chat.completion.chunk", run, req)
+
+        for job in run.jobs:  # the role comes first, as OpenAI sends it
+            yield chunk([{"index": job.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None, "stop_reason": None}])
+        async for job, out in self._guarded(run):
+            if isinstance(out, str):
+                yield out
+                return
+            st, c = states[job.index], out.outputs[0]
+            logprobs = None
+            if c.logprobs is not None and out.delta_token_ids:
+                n = len(out.delta_token_ids)
+                logprobs = chat_logprobs(out.delta_token_ids, c.logprobs[len(c.logprobs) - n:],
+                                         self.tokenizer.token_text, req.top_logprobs or 0)
+            st.tokens = len(c.token_ids)
+            if out.delta_text or out.finished or logprobs:
+                yield chunk([{"index": job.index, "delta": {"content": out.delta_text} if out.delta_text else {},
+                              "logprobs": logprobs, "finish_reason": c.finish_reason if out.finished else None,
+                              "stop_reason": c.stop_reason if out.finished else None}])
+        if req.include_usage:
+            yield chunk([], {"usage": self._stream_usage(run, states)})
+        yield sse("[DONE]")
+
+    # --- shared ------------------------------------------------------------------------------------------------
+
+    def _envelope(self, id_prefix: str, object_name: str, run: _Run) -> dict[str, Any]:
+        return {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": object_name, "created": run.created,
+                "model": self.model_name}
+
+    def _chunker(self, id_prefix: str, object_name: str, run: _Run, req: _SamplingFields
+                 ) -> Callable[[list[dict[str, Any]], dict[str, Any] | None], str]:
+        """One SSE chunk per call, all under the same id; with include_usage, OpenAI puts "usage": null on every
+        chunk but the last, which carries the totals (passed as `extra`)."""
+        envelope = self._envelope(id_prefix, object_name, run)
+
+        def chunk(choices: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> str:
+            usage_field = extra or ({"usage": None} if req.include_usage else {})
+            return sse({**envelope, "choices": choices, **usage_field})
+
+        return chunk
+
+    async def _guarded(self, run: _Run) -> AsyncIterator[tuple[Job, RequestOutput | str]]:
+        """The run's outputs for a stream; a failure becomes an error event and the stream's end, because
+        the 200 status has already been sent."""
+        try:
+            async for job, out in self._outputs(run):
+                reason = out.outputs[0].finish_reason
+                if reason in ("error", "abort"):
+                    message = (f"generation failed: {out.error}" if reason == "error"
+                               else "the request was aborted: the server is shutting down")
+                    yield job, sse(error_body(message, "server_error")) + sse("[DONE]")
+                    return
+                yield job, out
+        except (RequestFailed, EngineDead) as exc:
+            err = _engine_error(exc)
+            yield run.jobs[0], sse(err.body()) + sse("[DONE]")
+
+    @staticmethod
+    def _usage(run: _Run, outs: list[RequestOutput]) -> dict[str, int]:
+        prompt = sum(len(job.prompt_ids) for job in run.jobs if job.index % max(1, _n(run)) == 0)
+        return usage(prompt, sum(len(o.outputs[0].token_ids) for o in outs))
+
+    @staticmethod
+    def _stream_usage(run: _Run, states: dict[int, _ChoiceState]) -> dict[str, int]:
+        prompt = sum(len(job.prompt_ids) for job in run.jobs if job.index % max(1, _n(run)) == 0)
+        return usage(prompt, sum(s.tokens for s in states.values()))
+
+
+def _n(run: _Run) -> int:
+    """Choices per prompt (the prompt's tokens count once in usage, however many choices it has)."""
+    return sum(1 for job in run.jobs if job.prompt_index == 0)
+
+
+def _engine_error(exc: Exception) -> APIError:
+    if isinstance(exc, RequestFailed):
+        return APIError(400, str(exc), "invalid_request_error")
+    return APIError(503, str(exc), "server_error", code="engine_dead")
