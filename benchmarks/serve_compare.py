@@ -56,8 +56,14 @@ def targets(args: argparse.Namespace, port: int) -> list[Target]:
         gguf = registry.gguf_path(args.model)
         out.append(Target("llama.cpp (llama-cpp-python server)", [
             args.llamacpp_python, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port),
-            "--n_threads", str(args.threads), "--n_ctx", "2048"], cwd="/tmp"))
+            "--n_threads", str(args.threads), "--n_ctx", "2048",
+            # by default a new request interrupts the running one, which then returns a truncated answer
+            "--interrupt_requests", "False"], cwd="/tmp"))
     return out
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) -> None:
@@ -135,12 +141,12 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     by_target: dict[str, list[dict[str, Any]]] = {}
     for run in runs:
         by_target.setdefault(run["label"], []).extend(run["rates"])
-    for label, rows in by_target.items():
-        rates = [r["request_rate"] for r in rows]
-        axes[0].plot(rates, [r["e2el_ms"]["mean"] / 1000 for r in rows], "o-", label=f"{label} mean")
-        axes[0].plot(rates, [r["e2el_ms"]["p99"] / 1000 for r in rows], "x--", label=f"{label} p99")
-        axes[1].plot(rates, [r["ttft_ms"]["mean"] / 1000 for r in rows], "o-", label=label)
-        axes[2].plot(rates, [r["output_throughput"] for r in rows], "o-", label=label)
+    for i, (label, rows) in enumerate(by_target.items()):
+        rates, color = [r["request_rate"] for r in rows], f"C{i}"  # one colour per server in every panel
+        axes[0].plot(rates, [r["e2el_ms"]["mean"] / 1000 for r in rows], "o-", color=color, label=f"{label} mean")
+        axes[0].plot(rates, [r["e2el_ms"]["p99"] / 1000 for r in rows], "x--", color=color, label=f"{label} p99")
+        axes[1].plot(rates, [r["ttft_ms"]["mean"] / 1000 for r in rows], "o-", color=color, label=label)
+        axes[2].plot(rates, [r["output_throughput"] for r in rows], "o-", color=color, label=label)
     for ax, title in zip(axes, ("end-to-end latency (s)", "mean time to first token (s)", "output tokens/s")):
         ax.set_xlabel("request rate (req/s)")
         ax.set_title(title)
@@ -165,31 +171,41 @@ def main() -> int:
     p.add_argument("--goodput", default="ttft:2000 tpot:100", help="SLOs passed to bench serve")
     p.add_argument("--llamacpp-python", default=None, help="a Python with llama-cpp-python[server] installed")
     p.add_argument("--output", default="benchmarks/results/serve_compare")
+    p.add_argument("--only", default=None, help="comma-separated target slugs to (re)run, e.g. "
+                                                "llama_cpp_llama_cpp_python_server; the summary uses every run on disk")
+    p.add_argument("--summarize", action="store_true", help="run nothing: rebuild the summary from the runs on disk")
     args = p.parse_args()
     out = Path(args.output)
     work = out.parent / (out.name + "_runs")
     work.mkdir(parents=True, exist_ok=True)
+    everything = targets(args, free_port())
+    chosen = [] if args.summarize else args.only.split(",") if args.only else [slug(t.name) for t in everything]
+    for target in everything:
+        if slug(target.name) in chosen:
+            for rate in args.rates.split(","):
+                run_one(args, target, rate, work / f"{slug(target.name)}_{rate}")
+    # the summary takes every target's per-rate files, so one target can be rerun alone (--only)
     runs = []
-    for target in targets(args, free_port()):
-        merged: dict[str, Any] | None = None
-        for rate in args.rates.split(","):
-            slug = re.sub(r"[^a-z0-9]+", "_", target.name.lower()).strip("_")
-            result = run_one(args, target, rate, work / f"{slug}_{rate}")
-            if merged is None:
-                merged = result
-            else:
-                merged["rates"] += result["rates"]
-        assert merged is not None
-        for r in merged["rates"]:
-            r.pop("requests", None)  # the per-run files keep them
-        runs.append(merged)
+    for target in everything:
+        files = [work / f"{slug(target.name)}_{rate}.json" for rate in args.rates.split(",")]
+        if all(f.exists() for f in files):
+            parts = [json.loads(f.read_text()) for f in files]
+            merged = parts[0]
+            merged["rates"] = [r for part in parts for r in part["rates"]]
+            for r in merged["rates"]:
+                r.pop("requests", None)  # the per-run files keep them
+            runs.append(merged)
     from turbospec.bench.machine import machine_info
 
-    summary = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "machine": machine_info(args.threads),
-               "config": vars(args), "runs": runs}
+    command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    keep = (args.only or args.summarize) and out.with_suffix(".json").exists()
+    previous = json.loads(out.with_suffix(".json").read_text()) if keep else {}
+    # with --only, earlier invocations produced the other rows: keep their commands too
+    commands = [*previous.get("commands", []), *([] if args.summarize else [command])]
+    summary = {"commands": commands, "machine": machine_info(args.threads), "config": vars(args), "runs": runs}
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     md = [f"# Serving benchmark: {args.model}, {args.dataset} prompts, Poisson arrivals", "",
-          f"`{summary['command']}`  ",
+          *[f"`{c}`  " for c in commands],
           (f"{summary['machine']['cpu']}, {args.threads} threads, {summary['machine']['date']}, "
            f"commit {summary['machine']['commit']}"), "", *table(runs), ""]
     out.with_suffix(".md").write_text("\n".join(md))
