@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .determinism.batch_invariant import invariant_attention
+
 
 @dataclass
 class AttnGroup:
@@ -57,9 +59,12 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
     groups: list[AttnGroup]
     num_tokens: int
+    # every query computed the same way whatever its group holds (determinism/batch_invariant.py)
+    invariant: bool = False
 
     def to(self, device: torch.device) -> AttentionMetadata:
-        return AttentionMetadata(self.slot_mapping.to(device), [g.to(device) for g in self.groups], self.num_tokens)
+        return AttentionMetadata(self.slot_mapping.to(device), [g.to(device) for g in self.groups], self.num_tokens,
+                                 self.invariant)
 
 
 def build_metadata(
@@ -151,7 +156,9 @@ def paged_attention(
         kg = k_cache.index_select(0, flat).view(*g.kv_slots.shape, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
         vg = v_cache.index_select(0, flat).view(*g.kv_slots.shape, *v_cache.shape[1:]).transpose(1, 2)
         mask = g.mask_for_window(sliding_window)
-        if qg.shape[2] <= SHORT_QUERY:
+        if meta.invariant:
+            og = invariant_attention(qg, kg, vg, mask, scale)
+        elif qg.shape[2] <= SHORT_QUERY:
             og = _short_query_attention(qg, kg, vg, mask, scale)
         else:
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale,

@@ -81,6 +81,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--deterministic", default=None, choices=["batch-invariant"],
+                   help="batch-invariant: each request's tokens and log-probs are bitwise independent of the batch")
     p.add_argument("--speculative-config", default=None,
                    help='JSON, e.g. \'{"method": "ngram"}\' (the goodput controller picks k), '
                         '\'{"method": "ngram", "num_speculative_tokens": 4}\' or '
@@ -137,7 +139,8 @@ def _generate(args: argparse.Namespace) -> int:
         if not args.prompt:
             raise ValueError("--prompt is empty: give at least one character")
         llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, num_threads=args.num_threads,
-                  speculative_config=args.speculative_config, progress=not args.json)
+                  speculative_config=args.speculative_config, deterministic=args.deterministic,
+                  progress=not args.json)
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
         else:
@@ -175,7 +178,7 @@ def _serve(args: argparse.Namespace) -> int:
         config = EngineConfig(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                               num_threads=args.num_threads, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens,
-                              speculative_config=args.speculative_config)
+                              speculative_config=args.speculative_config, deterministic=args.deterministic)
         engine = LLMEngine(config)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc

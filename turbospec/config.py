@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from .control.acceptance import DEFAULT_ESTIMATOR, ESTIMATORS
 
 DTYPE_NAMES = ("bfloat16", "bf16", "float32", "fp32", "float16", "fp16")
+DETERMINISTIC_MODES = ("batch-invariant",)
 
 
 @dataclass
@@ -28,6 +29,9 @@ class EngineConfig:
     seed: int = 0
     # None, a SpeculativeConfig, a dict, or its JSON text (see SpeculativeConfig)
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # None (fastest), or "batch-invariant": a request's tokens and log-probs are bitwise the same whatever else
+    # is batched with it, however its prompt is chunked or cached, and with or without speculation
+    deterministic: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:
@@ -44,6 +48,9 @@ class EngineConfig:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"unknown device {self.device!r}: expected 'cpu' or 'cuda[:N]'")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.deterministic not in (None, *DETERMINISTIC_MODES):
+            raise ValueError(f"unknown deterministic mode {self.deterministic!r}: expected one of "
+                             f"{', '.join(DETERMINISTIC_MODES)} (or leave it unset)")
 
     @property
     def threads(self) -> int:

@@ -60,7 +60,8 @@ class LLMEngine:
         self.kv = KVCache.allocate(self.model_config, self._num_blocks(), config.block_size, self.dtype, config.device)
         self.blocks = BlockManager(self.kv.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
-        self.runner = ModelRunner(self.loaded.model, self.kv, self.blocks, config.device)
+        self.runner = ModelRunner(self.loaded.model, self.kv, self.blocks, config.device,
+                                  batch_invariant=config.deterministic == "batch-invariant")
         self.requests: dict[str, Request] = {}
         self.last_step: StepStats | None = None
         self.spec = config.speculative_config

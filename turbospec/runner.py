@@ -25,8 +25,11 @@ class ModelOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, blocks: BlockManager, device: str | torch.device) -> None:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, blocks: BlockManager, device: str | torch.device,
+                 batch_invariant: bool = False) -> None:
         self.model = model
+        # every row computed the same way whatever the batch (determinism/batch_invariant.py)
+        self.batch_invariant = batch_invariant
         self.kv = kv_cache
         self.blocks = blocks
         self.device = torch.device(device)
@@ -69,12 +72,13 @@ class ModelRunner:
             num_rows.append(item.num_rows)
             sample_rows += range(base + len(item.tokens) - item.num_rows, base + len(item.tokens))
         meta = build_metadata(query_lens, context_lens, tables)
+        meta.invariant = self.batch_invariant
         meta = meta.to(self.device) if self.device.type != "cpu" else meta
         hidden = self.model(
             torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta, self.kv.layers
         )
         hidden = hidden[torch.tensor(sample_rows, device=self.device, dtype=torch.long)]
-        return ModelOutput(self.model.compute_logits(hidden), hidden, row_start, num_rows)
+        return ModelOutput(self.model.compute_logits(hidden, self.batch_invariant), hidden, row_start, num_rows)
 
 
 @dataclass

@@ -68,7 +68,7 @@ def hardware_name(device: str) -> str:
 
 def profile_key(engine: LLMEngine) -> dict[str, str]:
     spec = engine.spec
-    return {
+    key = {
         "model": engine.config.model,
         "dtype": str(engine.dtype).removeprefix("torch."),
         "threads": str(engine.config.threads),
@@ -76,6 +76,9 @@ def profile_key(engine: LLMEngine) -> dict[str, str]:
         "torch": torch.__version__,
         "speculation": "none" if spec is None else spec.method + (f":{spec.model}" if spec.model else ""),
     }
+    if engine.config.deterministic:  # other kernels, other step times (absent otherwise: old caches stay valid)
+        key["deterministic"] = engine.config.deterministic
+    return key
 
 
 def profile_path(key: dict[str, str]) -> Path:

@@ -8,23 +8,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionMetadata, paged_attention
-from .layers import RMSNorm, Rotary
+from .layers import RMSNorm, Rotary, RowLinear
 from .llama import MLP, CausalLM, KVCache
 from .model_config import ModelConfig
 
 
 class GemmaMLP(MLP):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.gelu(gate, approximate="tanh") * up)
+    def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        gate, up = self.gate_up(x, invariant).chunk(2, dim=-1)
+        return self.down(F.gelu(gate, approximate="tanh") * up, invariant)
 
 
 class GemmaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: Rotary, window: int | None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.qkv = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.qkv = RowLinear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o = RowLinear(cfg.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset=1.0)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset=1.0)
         self.rotary = rotary
@@ -33,11 +33,11 @@ class GemmaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
         c = self.cfg
-        q, k, v = self.qkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q, k, v = self.qkv(x, meta.invariant).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = self.rotary(self.q_norm(q.view(-1, c.num_heads, c.head_dim)), positions)
         k = self.rotary(self.k_norm(k.view(-1, c.num_kv_heads, c.head_dim)), positions)
         v = v.view(-1, c.num_kv_heads, c.head_dim)
-        return self.o(paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.window))
+        return self.o(paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.window), meta.invariant)
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -51,7 +51,7 @@ class GemmaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
         x = x + self.post_attn_norm(self.attn(self.input_norm(x), positions, meta, kv))
-        return x + self.post_ffn_norm(self.mlp(self.pre_ffn_norm(x)))
+        return x + self.post_ffn_norm(self.mlp(self.pre_ffn_norm(x), meta.invariant))
 
 
 class Gemma3ForCausalLM(CausalLM):
@@ -81,8 +81,8 @@ class Gemma3ForCausalLM(CausalLM):
         # Gemma scales embeddings by sqrt(hidden), rounded to the activation dtype first (as HF does).
         return x * torch.tensor(self.cfg.hidden_size**0.5, dtype=x.dtype)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        logits = super().compute_logits(hidden, invariant)
         if cap := self.cfg.final_logit_softcap:
             logits = torch.tanh(logits / cap) * cap
         return logits

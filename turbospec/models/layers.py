@@ -6,7 +6,17 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from ..determinism.batch_invariant import invariant_linear
+
+
+class RowLinear(nn.Linear):
+    """nn.Linear that can compute each row independently of the others (the batch-invariant mode)."""
+
+    def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        return invariant_linear(x, self.weight, self.bias) if invariant else F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionMetadata, paged_attention
-from .layers import RMSNorm, Rotary
+from ..determinism.batch_invariant import invariant_linear
+from .layers import RMSNorm, Rotary, RowLinear
 from .model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -23,30 +24,30 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: Rotary) -> None:
         super().__init__()
         self.cfg = cfg
-        self.qkv = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.qkv = RowLinear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o = RowLinear(cfg.q_size, cfg.hidden_size, bias=False)
         self.rotary = rotary
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
         c = self.cfg
-        qkv = self.qkv(x)
+        qkv = self.qkv(x, meta.invariant)
         # q and k sit side by side in the fused projection: rotate both heads' groups in one call
         qk = self.rotary(qkv[:, : c.q_size + c.kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim), positions)
         q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
         v = qkv[:, c.q_size + c.kv_size:].view(-1, c.num_kv_heads, c.head_dim)
-        return self.o(paged_attention(q, k, v, kv[0], kv[1], meta, self.scale))
+        return self.o(paged_attention(q, k, v, kv[0], kv[1], meta, self.scale), meta.invariant)
 
 
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up = RowLinear(hidden, 2 * intermediate, bias=False)
+        self.down = RowLinear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        gate, up = self.gate_up(x, invariant).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up, invariant)
 
 
 class DecoderLayer(nn.Module):
@@ -59,7 +60,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
         x = x + self.attn(self.input_norm(x), positions, meta, kv)
-        return x + self.mlp(self.mlp_norm(x))
+        return x + self.mlp(self.mlp_norm(x), meta.invariant)
 
 
 class CausalLM(nn.Module):
@@ -108,9 +109,9 @@ class CausalLM(nn.Module):
             x = layer(x, positions, meta, kv)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return (invariant_linear(hidden, weight) if invariant else F.linear(hidden, weight)).float()
 
     # --- weights -------------------------------------------------------------------------------------
 

@@ -1,0 +1,69 @@
+"""Batch-invariant execution on CPU: every row of every op is computed the same way whatever else is in the
+batch, where the row sits, how its prompt was chunked and how many of its tokens one forward computes.
+
+What breaks invariance here, and the fix for each (measured with torch 2.13 on this machine's CPU; the tests in
+tests/test_determinism.py check each claim):
+- ``F.linear`` picks a different kernel for a handful of rows (fp32 rows differ for M < 12), but rows of any
+  call whose M is a multiple of 16 equal those of 16-row calls. So linears pad their rows to a multiple of 16.
+- Attention reduces over the context. A matmul whose reduction length changes can assign elements to vector
+  lanes differently (a tail loop), so a query's output would depend on the longest context in its group. So
+  keys are cut into fixed blocks of ``KEY_BLOCK`` positions: scores and probability-weighted values are
+  computed per block with fixed shapes, and blocks are added in a fixed order (a cumulative sum along the
+  blocks). Blocks beyond a query's context contribute exact zeros. Queries are padded to a multiple of 16.
+- Norms, softmax over one row, rotary embeddings and activations are per-row or elementwise: already
+  invariant. The thread count is pinned by the engine config.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ROW_MULTIPLE = 16
+KEY_BLOCK = 64
+
+
+def pad_rows(x: torch.Tensor, multiple: int = ROW_MULTIPLE) -> tuple[torch.Tensor, int]:
+    """x with zero rows appended so that its first dimension is a multiple of `multiple`; the original count."""
+    rows = x.shape[0]
+    extra = -rows % multiple
+    if extra:
+        x = torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
+    return x, rows
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear whose rows do not depend on how many other rows the call has."""
+    if x.dim() != 2:
+        return invariant_linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+    padded, rows = pad_rows(x)
+    return F.linear(padded, weight, bias)[:rows]
+
+
+def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """q [B, Hq, Q, D], k/v [B, Hkv, L, D], mask [B, 1, Q, L] -> [B, Hq, Q, D], such that each query's output
+    depends only on its own query, keys and values (see the module docstring). Matmuls run in the input dtype
+    as the default path does; the softmax and the sums over blocks in float32."""
+    b, hq, nq, d = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    group = hq // hkv
+    rows = group * nq  # GQA: the query heads sharing a KV head are rows of one matmul per key block
+    row_pad, key_pad = -rows % ROW_MULTIPLE, -length % KEY_BLOCK
+    blocks = (length + key_pad) // KEY_BLOCK
+    kb = F.pad(k, (0, 0, 0, key_pad)).view(b, hkv, blocks, KEY_BLOCK, d)
+    vb = F.pad(v, (0, 0, 0, key_pad)).view(b, hkv, blocks, KEY_BLOCK, d)
+    qr = F.pad(q.reshape(b, hkv, 1, rows, d), (0, 0, 0, row_pad))
+    scores = torch.matmul(qr, kb.transpose(-1, -2))[..., :rows, :].float() * scale  # [B, Hkv, nb, rows, KB]
+    keep = F.pad(mask, (0, key_pad)).view(b, 1, 1, nq, blocks, KEY_BLOCK)  # [B, 1, 1, Q, nb, KB]
+    keep = keep.permute(0, 1, 4, 2, 3, 5).expand(b, 1, blocks, group, nq, KEY_BLOCK).reshape(b, 1, blocks, rows,
+                                                                                             KEY_BLOCK)
+    scores = scores.masked_fill(~keep, float("-inf"))
+    top = scores.amax(dim=(2, 4), keepdim=True)  # a max is exact whatever the order
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a padded query row sees no key
+    weights = torch.exp(scores - top)  # masked positions: exp(-inf) = 0 exactly
+    denom = weights.sum(-1).cumsum(2)[:, :, -1]  # [B, Hkv, rows]: fixed-length sums, then the blocks in order
+    weights = F.pad(weights.to(v.dtype), (0, 0, 0, row_pad))
+    partial = torch.matmul(weights, vb)[..., :rows, :].float()  # [B, Hkv, nb, rows, D]
+    out = partial.cumsum(2)[:, :, -1] / denom.clamp_min(1e-30)[..., None]  # [B, Hkv, rows, D]
+    return out.view(b, hq, nq, d).to(q.dtype)
