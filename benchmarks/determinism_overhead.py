@@ -84,6 +84,7 @@ def main() -> int:
     p.add_argument("--trial-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--output", default="benchmarks/results/determinism_overhead")
+    p.add_argument("--append", action="store_true", help="add rows to the output's JSON instead of replacing it")
     args = p.parse_args()
     modes: list[str | None] = [None, *args.modes.split(",")]
     rows: list[dict[str, Any]] = []
@@ -115,11 +116,18 @@ def main() -> int:
                 print(json.dumps(rows[-1]), flush=True)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "machine": machine_info(args.threads),
+    command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    earlier = json.loads(out.with_suffix(".json").read_text()) if args.append and out.with_suffix(".json").exists() \
+        else {"commands": [], "rows": []}
+    rows = earlier["rows"] + rows
+    result = {"commands": [*earlier["commands"], command], "machine": machine_info(args.threads),
               "config": vars(args), "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     lines = [f"# Deterministic inference overhead (batch {args.batch}, output cap {args.max_tokens}, greedy)", "",
-             f"`{result['command']}`  ",
+             "Overhead: the mode's mean request latency over the default mode's, best of the repeats, modes "
+             "interleaved. Deterministic trials: the needle's output alone equals its output in random batches "
+             "(token ids; token ids and log-probs for batch-invariant).", "",
+             *[f"`{c}`  " for c in result["commands"]],
              f"{result['machine']['cpu']}, {args.threads} threads, {result['machine']['date']}, "
              f"commit {result['machine']['commit']}", "",
              "| mode | model | dataset | overhead (%) | default latency (s) | mode latency (s) | "

@@ -141,7 +141,41 @@ def test_chunked_prefill_prefix_cache_and_speculation_change_nothing(invariant: 
     monkeypatch.setattr("turbospec.engine.load_model", lambda *args, **kwargs: invariant.engine.loaded)
     chunked = _llm("batch-invariant", max_num_batched_tokens=5, enable_prefix_caching=False)
     assert _needle_runs(chunked, GREEDY, trials=0)[0] == want
-    for k in (1, 4):
-        spec = _llm("batch-invariant", speculative_config={"method": "ngram", "num_speculative_tokens": k})
-        assert set(_needle_runs(spec, GREEDY, trials=2)) == {want}
-        assert spec.spec_stats()["num_draft_tokens"] > 0
+    configs = [{"method": "ngram", "num_speculative_tokens": 1}, {"method": "ngram", "num_speculative_tokens": 4},
+               {"method": "ngram"},  # the goodput controller picks k per request and step
+               {"method": "draft", "model": MODEL, "num_speculative_tokens": 3}]
+    for config in configs:
+        spec = _llm("batch-invariant", speculative_config=config)
+        assert set(_needle_runs(spec, GREEDY, trials=2)) == {want}, config
+        if "num_speculative_tokens" in config:  # the controller may rightly choose k = 0 throughout
+            assert spec.spec_stats()["num_draft_tokens"] > 0, config
+
+
+@pytest.mark.slow
+def test_layercast_is_float32_compute_over_bf16_weights(invariant: LLM) -> None:
+    """LayerCast must equal, bit for bit, a float32 model whose weights are the bf16 values: the weights are
+    only widened, everything else (activations, KV, attention) runs in float32."""
+    import copy
+    from dataclasses import replace
+
+    from turbospec.config import EngineConfig
+    from turbospec.engine import LLMEngine
+
+    bf16 = invariant.engine.loaded
+    widened = replace(bf16, model=copy.deepcopy(bf16.model).float())
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=2)
+    outs = {}
+    for name, dtype, mode, loaded in (("layercast", "bfloat16", "layercast", bf16),
+                                      ("float32", "float32", None, widened)):
+        engine = LLMEngine(EngineConfig(MODEL, dtype=dtype, num_threads=1, max_model_len=512, deterministic=mode),
+                           loaded=loaded, progress=False)
+        engine.add_request(NEEDLE, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outs[name] = out.outputs[0]
+        assert engine.kv.layers[0][0].dtype == torch.float32
+    assert outs["layercast"].token_ids == outs["float32"].token_ids
+    assert [{t: lp.logprob for t, lp in s.items()} for s in outs["layercast"].logprobs] == \
+        [{t: lp.logprob for t, lp in s.items()} for s in outs["float32"].logprobs]
+    assert next(bf16.model.parameters()).dtype == torch.bfloat16  # the shared weights were not widened

@@ -229,3 +229,21 @@ def test_sigterm_drains_in_flight_requests_and_exits_0() -> None:
             proc.kill()
     out = proc.stdout.read() if proc.stdout else ""
     assert "curl http://127.0.0.1" in out  # it printed how to call it
+
+
+def test_batch_invariant_server_answers_a_request_bitwise_alike_under_any_load() -> None:
+    engine = LLMEngine(EngineConfig("dummy:tiny", num_threads=1, max_model_len=128, deterministic="batch-invariant"),
+                       progress=False)
+    body = {"model": MODEL, "prompt": "needle", "max_tokens": 12, "temperature": 0, "logprobs": 3}
+    with live_server(engine, MODEL) as live:
+        alone = httpx.post(live.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+
+        async def crowded(n: int) -> dict[str, Any]:
+            async with httpx.AsyncClient(base_url=live.url, timeout=60) as c:
+                others = [c.post("/v1/completions", json={**body, "prompt": "x" * (7 * i + 1), "max_tokens": 5 + i})
+                          for i in range(n)]
+                results = await asyncio.gather(c.post("/v1/completions", json=body), *others)
+                return results[0].json()["choices"][0]
+
+        for n in (1, 5, 12):
+            assert asyncio.run(crowded(n)) == alone  # text, token log-probs and alternatives, bit for bit

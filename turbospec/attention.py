@@ -61,10 +61,13 @@ class AttentionMetadata:
     num_tokens: int
     # every query computed the same way whatever its group holds (determinism/batch_invariant.py)
     invariant: bool = False
+    # the activations' dtype when it is not the weights' (LayerCast: bf16 weights, float32 compute); the metadata
+    # is the one per-step context every layer sees
+    compute_dtype: torch.dtype | None = None
 
     def to(self, device: torch.device) -> AttentionMetadata:
         return AttentionMetadata(self.slot_mapping.to(device), [g.to(device) for g in self.groups], self.num_tokens,
-                                 self.invariant)
+                                 self.invariant, self.compute_dtype)
 
 
 def build_metadata(

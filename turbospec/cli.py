@@ -81,8 +81,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument("--deterministic", default=None, choices=["batch-invariant"],
-                   help="batch-invariant: each request's tokens and log-probs are bitwise independent of the batch")
+    p.add_argument("--deterministic", default=None, choices=["batch-invariant", "layercast"],
+                   help="batch-invariant: each request's tokens and log-probs are bitwise independent of the batch; "
+                        "layercast: bf16 weights, float32 compute and KV (rarer drift, not none)")
     p.add_argument("--speculative-config", default=None,
                    help='JSON, e.g. \'{"method": "ngram"}\' (the goodput controller picks k), '
                         '\'{"method": "ngram", "num_speculative_tokens": 4}\' or '

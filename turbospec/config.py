@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from .control.acceptance import DEFAULT_ESTIMATOR, ESTIMATORS
 
 DTYPE_NAMES = ("bfloat16", "bf16", "float32", "fp32", "float16", "fp16")
-DETERMINISTIC_MODES = ("batch-invariant",)
+DETERMINISTIC_MODES = ("batch-invariant", "layercast")
 
 
 @dataclass
@@ -29,8 +29,9 @@ class EngineConfig:
     seed: int = 0
     # None, a SpeculativeConfig, a dict, or its JSON text (see SpeculativeConfig)
     speculative_config: SpeculativeConfig | dict | str | None = None
-    # None (fastest), or "batch-invariant": a request's tokens and log-probs are bitwise the same whatever else
-    # is batched with it, however its prompt is chunked or cached, and with or without speculation
+    # None (fastest); "batch-invariant": a request's tokens and log-probs are bitwise the same whatever else is
+    # batched with it, however its prompt is chunked or cached, and with or without speculation; "layercast":
+    # bf16 weights with float32 compute and KV, a reference point that makes drift rarer but does not remove it
     deterministic: str | None = None
 
     def __post_init__(self) -> None:
@@ -51,6 +52,9 @@ class EngineConfig:
         if self.deterministic not in (None, *DETERMINISTIC_MODES):
             raise ValueError(f"unknown deterministic mode {self.deterministic!r}: expected one of "
                              f"{', '.join(DETERMINISTIC_MODES)} (or leave it unset)")
+        if self.deterministic == "layercast" and self.dtype not in ("bfloat16", "bf16"):
+            raise ValueError(f"layercast keeps bfloat16 weights and computes in float32: it needs dtype bfloat16, "
+                             f"got {self.dtype!r}")
 
     @property
     def threads(self) -> int:

@@ -50,6 +50,8 @@ class LLMEngine:
         self.config = config
         torch.set_num_threads(config.threads)
         self.dtype = parse_dtype(config.dtype)
+        # LayerCast keeps the weights in bf16 but computes, and keeps the KV cache, in float32
+        self.compute_dtype = torch.float32 if config.deterministic == "layercast" else self.dtype
         self.loaded = loaded or load_model(config.model, self.dtype, config.device, progress=progress)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
@@ -57,11 +59,13 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length {limit}")
         self.max_model_len = config.max_model_len or min(limit, CPU_MAX_MODEL_LEN)
-        self.kv = KVCache.allocate(self.model_config, self._num_blocks(), config.block_size, self.dtype, config.device)
+        self.kv = KVCache.allocate(self.model_config, self._num_blocks(), config.block_size, self.compute_dtype,
+                                   config.device)
         self.blocks = BlockManager(self.kv.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(self.loaded.model, self.kv, self.blocks, config.device,
-                                  batch_invariant=config.deterministic == "batch-invariant")
+                                  batch_invariant=config.deterministic == "batch-invariant",
+                                  compute_dtype=self.compute_dtype)
         self.requests: dict[str, Request] = {}
         self.last_step: StepStats | None = None
         self.spec = config.speculative_config
@@ -85,7 +89,7 @@ class LLMEngine:
 
     def _num_blocks(self) -> int:
         c = self.config
-        per_block = KVCache.bytes_per_block(self.model_config, c.block_size, self.dtype)
+        per_block = KVCache.bytes_per_block(self.model_config, c.block_size, self.compute_dtype)
         per_seq = math.ceil(self.max_model_len / c.block_size)
         if c.kv_cache_memory_gib is not None:
             blocks = int(c.kv_cache_memory_gib * 2**30 // per_block)

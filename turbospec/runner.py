@@ -26,8 +26,9 @@ class ModelOutput:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, blocks: BlockManager, device: str | torch.device,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, compute_dtype: torch.dtype | None = None) -> None:
         self.model = model
+        self.compute_dtype = compute_dtype  # activations' dtype when it differs from the weights' (LayerCast)
         # every row computed the same way whatever the batch (determinism/batch_invariant.py)
         self.batch_invariant = batch_invariant
         self.kv = kv_cache
@@ -73,6 +74,7 @@ class ModelRunner:
             sample_rows += range(base + len(item.tokens) - item.num_rows, base + len(item.tokens))
         meta = build_metadata(query_lens, context_lens, tables)
         meta.invariant = self.batch_invariant
+        meta.compute_dtype = self.compute_dtype
         meta = meta.to(self.device) if self.device.type != "cpu" else meta
         hidden = self.model(
             torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta, self.kv.layers

@@ -12,11 +12,21 @@ from torch import nn
 from ..determinism.batch_invariant import invariant_linear
 
 
+def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               invariant: bool = False) -> torch.Tensor:
+    """F.linear in the activations' dtype (weights are cast up when they are stored narrower, as LayerCast
+    does), rows computed independently of each other when `invariant` (the batch-invariant mode)."""
+    if weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+        bias = None if bias is None else bias.to(x.dtype)
+    return invariant_linear(x, weight, bias) if invariant else F.linear(x, weight, bias)
+
+
 class RowLinear(nn.Linear):
-    """nn.Linear that can compute each row independently of the others (the batch-invariant mode)."""
+    """nn.Linear computed by row_linear."""
 
     def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
-        return invariant_linear(x, self.weight, self.bias) if invariant else F.linear(x, self.weight, self.bias)
+        return row_linear(x, self.weight, self.bias, invariant)
 
 
 class RMSNorm(nn.Module):

@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionMetadata, paged_attention
-from ..determinism.batch_invariant import invariant_linear
-from .layers import RMSNorm, Rotary, RowLinear
+from .layers import RMSNorm, Rotary, RowLinear, row_linear
 from .model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -105,13 +104,15 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token."""
         x = self.embed_tokens(input_ids)
+        if meta.compute_dtype is not None:
+            x = x.to(meta.compute_dtype)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, positions, meta, kv)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return (invariant_linear(hidden, weight) if invariant else F.linear(hidden, weight)).float()
+        return row_linear(hidden, weight, invariant=invariant).float()
 
     # --- weights -------------------------------------------------------------------------------------
 
