@@ -65,7 +65,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(self.loaded.model, self.kv, self.blocks, config.device,
                                   batch_invariant=config.deterministic == "batch-invariant",
-                                  compute_dtype=self.compute_dtype)
+                                  compute_dtype=self.compute_dtype if self.compute_dtype != self.dtype else None)
         self.requests: dict[str, Request] = {}
         self.last_step: StepStats | None = None
         self.spec = config.speculative_config

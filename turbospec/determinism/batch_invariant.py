@@ -3,8 +3,9 @@ batch, where the row sits, how its prompt was chunked and how many of its tokens
 
 What breaks invariance here, and the fix for each (measured with torch 2.13 on this machine's CPU; the tests in
 tests/test_determinism.py check each claim):
-- ``F.linear`` picks a different kernel for a handful of rows (fp32 rows differ for M < 12), but rows of any
-  call whose M is a multiple of 16 equal those of 16-row calls. So linears pad their rows to a multiple of 16.
+- ``F.linear`` and matmul pick other kernels for a handful of rows, so a row's result can depend on how many
+  rows the call has (seen in ad-hoc probes for small M in fp32); calls whose M is a multiple of 16 agreed.
+  So linears, and the rows of attention's matmuls, are padded to a multiple of 16.
 - Attention reduces over the context. A matmul whose reduction length changes can assign elements to vector
   lanes differently (a tail loop), so a query's output would depend on the longest context in its group. So
   keys are cut into fixed blocks of ``KEY_BLOCK`` positions: scores and probability-weighted values are

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from itertools import takewhile
 from typing import Any
 
 from fastapi import Request
@@ -58,8 +59,8 @@ async def validation_error_handler(_: Request, exc: Exception) -> JSONResponse:
     locs = [[str(part) for part in e.get("loc", ()) if part != "body"] for e in errors]
     shared = locs[0]
     for other in locs[1:]:
-        shared = [a for a, b in zip(shared, other)][: next((i for i, (a, b) in enumerate(zip(shared, other))
-                                                            if a != b), min(len(shared), len(other)))]
+        shared = list(takewhile(lambda pair: pair[0] == pair[1], zip(shared, other)))
+        shared = [a for a, _ in shared]
     param = ".".join(shared) or None
     kind = first.get("type", "")
     if kind == "json_invalid":

@@ -303,18 +303,16 @@ class OpenAIServing:
 
     @staticmethod
     def _usage(run: _Run, outs: list[RequestOutput]) -> dict[str, int]:
-        prompt = sum(len(job.prompt_ids) for job in run.jobs if job.index % max(1, _n(run)) == 0)
-        return usage(prompt, sum(len(o.outputs[0].token_ids) for o in outs))
+        return usage(_prompt_tokens(run), sum(len(o.outputs[0].token_ids) for o in outs))
 
     @staticmethod
     def _stream_usage(run: _Run, states: dict[int, _ChoiceState]) -> dict[str, int]:
-        prompt = sum(len(job.prompt_ids) for job in run.jobs if job.index % max(1, _n(run)) == 0)
-        return usage(prompt, sum(s.tokens for s in states.values()))
+        return usage(_prompt_tokens(run), sum(s.tokens for s in states.values()))
 
 
-def _n(run: _Run) -> int:
-    """Choices per prompt (the prompt's tokens count once in usage, however many choices it has)."""
-    return sum(1 for job in run.jobs if job.prompt_index == 0)
+def _prompt_tokens(run: _Run) -> int:
+    """Each prompt's tokens count once in usage, however many choices it has."""
+    return sum({job.prompt_index: len(job.prompt_ids) for job in run.jobs}.values())
 
 
 def _engine_error(exc: Exception) -> APIError:
