@@ -37,6 +37,14 @@ def dataset(name: str, n: int) -> list[BenchPrompt]:
     return load_mtbench(n) if name == "mtbench" else load_sharegpt(n)
 
 
+def mode_options(mode: str | None) -> dict[str, Any]:
+    """A mode name as the table shows it: "llm42:auto" or "llm42:16" set llm42's window too."""
+    if mode is None:
+        return {"deterministic": None}
+    name, _, window = mode.partition(":")
+    return {"deterministic": name, **({"verify_window": window if window == "auto" else int(window)} if window else {})}
+
+
 def run_batch(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[list, float]:
     """Outputs in order and the mean end-to-end latency of the batch's requests."""
     start = time.perf_counter()
@@ -75,7 +83,8 @@ def needle_fraction(engine: LLMEngine, pool: list[list[int]], trials: int, max_t
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b")
-    p.add_argument("--modes", default="batch-invariant")
+    p.add_argument("--modes", default="batch-invariant,llm42,llm42:auto,margin-gate",
+                   help="comma-separated; llm42:auto or llm42:16 also set the window")
     p.add_argument("--datasets", default=",".join(DATASETS))
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=256)
@@ -90,7 +99,7 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     for model in args.models.split(","):
         loaded = load_model(model, parse_dtype("bfloat16"), "cpu", progress=False)
-        engines = {m: LLMEngine(EngineConfig(model, num_threads=args.threads, max_model_len=2048, deterministic=m),
+        engines = {m: LLMEngine(EngineConfig(model, num_threads=args.threads, max_model_len=2048, **mode_options(m)),
                                 loaded=loaded, progress=False) for m in modes}
         tok = loaded.tokenizer
         for name in args.datasets.split(","):
@@ -100,6 +109,8 @@ def main() -> int:
             run_batch(engines[None], batch[:1], [SamplingParams(temperature=0, max_tokens=4)])  # warm-up
             latency: dict[str | None, list[float]] = {m: [] for m in modes}
             outputs: dict[str | None, list] = {}
+            for engine in engines.values():
+                engine.exact.stats = type(engine.exact.stats)()
             for _ in tqdm(range(args.repeats), desc=f"{model} {name}", unit="repeat"):
                 for m in modes:  # interleaved: machine noise hits every mode alike
                     outs, mean = run_batch(engines[m], batch, params)
@@ -107,11 +118,17 @@ def main() -> int:
                     outputs[m] = outs
             base = min(latency[None])
             for m in modes:
+                stats = engines[m].determinism_stats()  # of the timed runs only
+                kind = mode_options(m)["deterministic"]
                 frac = needle_fraction(engines[m], pool, args.trials, args.trial_tokens,
-                                       exact_logprobs=m == "batch-invariant", seed=1)
+                                       exact_logprobs=kind in ("batch-invariant", "llm42"), seed=1)
+                # margin-gate: tokens re-checked; llm42: tokens replayed (every one, by design)
+                trigger = stats["trigger_rate"] if kind == "margin-gate" else \
+                    stats["replayed_fraction"] if kind == "llm42" else None
                 rows.append({"model": model, "dataset": name, "mode": m or "default", "latency_s": min(latency[m]),
                              "latencies_s": latency[m], "overhead_pct": 100 * (min(latency[m]) / base - 1),
-                             "baseline_latency_s": base, "deterministic_fraction": frac, "trigger_rate": None,
+                             "baseline_latency_s": base, "deterministic_fraction": frac, "trigger_rate": trigger,
+                             "determinism_stats": stats,
                              "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outputs[m])})
                 print(json.dumps(rows[-1]), flush=True)
     out = Path(args.output)
@@ -119,14 +136,17 @@ def main() -> int:
     command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
     earlier = json.loads(out.with_suffix(".json").read_text()) if args.append and out.with_suffix(".json").exists() \
         else {"commands": [], "rows": []}
-    rows = earlier["rows"] + rows
+    fresh = {(r["model"], r["dataset"], r["mode"]) for r in rows}
+    rows = [r for r in earlier["rows"] if (r["model"], r["dataset"], r["mode"]) not in fresh] + rows
     result = {"commands": [*earlier["commands"], command], "machine": machine_info(args.threads),
               "config": vars(args), "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     lines = [f"# Deterministic inference overhead (batch {args.batch}, output cap {args.max_tokens}, greedy)", "",
              "Overhead: the mode's mean request latency over the default mode's, best of the repeats, modes "
              "interleaved. Deterministic trials: the needle's output alone equals its output in random batches "
-             "(token ids; token ids and log-probs for batch-invariant).", "",
+             "(token ids; token ids and log-probs for batch-invariant and llm42). Verifier trigger rate: "
+             "margin-gate, tokens re-checked on the invariant path; llm42, tokens replayed. Rows from an earlier "
+             "command keep their own default-mode baseline (its column).", "",
              *[f"`{c}`  " for c in result["commands"]],
              f"{result['machine']['cpu']}, {args.threads} threads, {result['machine']['date']}, "
              f"commit {result['machine']['commit']}", "",

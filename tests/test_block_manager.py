@@ -448,3 +448,16 @@ BlockManagerMachine.TestCase.settings = settings(
     max_examples=200, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestBlockManagerMachine = BlockManagerMachine.TestCase
+
+
+def test_cache_salt_keeps_namespaces_apart() -> None:
+    """Blocks committed under one salt are never hit by a sequence with another (verified determinism modes
+    only share KV that the invariant path computed)."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    tokens = list(range(13))
+    bm.allocate("a", tokens, 13, salt="invariant")
+    bm.commit("a", tokens)
+    assert bm.num_cached_prefix_tokens(tokens, salt="invariant") == 12
+    assert bm.num_cached_prefix_tokens(tokens) == 0
+    assert bm.allocate("b", tokens, 13) == 0
+    assert bm.allocate("c", tokens, 13, salt="invariant") == 12

@@ -179,3 +179,114 @@ def test_layercast_is_float32_compute_over_bf16_weights(invariant: LLM) -> None:
     assert [{t: lp.logprob for t, lp in s.items()} for s in outs["layercast"].logprobs] == \
         [{t: lp.logprob for t, lp in s.items()} for s in outs["float32"].logprobs]
     assert next(bf16.model.parameters()).dtype == torch.bfloat16  # the shared weights were not widened
+
+
+# --- llm42 and margin-gate --------------------------------------------------------------------------------------
+
+def _sibling(invariant: LLM, mode: str | None, **options) -> LLM:
+    """An LLM over the invariant fixture's weights (no second load) in another mode."""
+    from unittest import mock
+
+    with mock.patch("turbospec.engine.load_model", lambda *args, **kwargs: invariant.engine.loaded):
+        return _llm(mode, **options)
+
+
+@pytest.fixture(scope="module")
+def reference(invariant: LLM) -> dict[str, tuple]:
+    """The batch-invariant needle output (token ids and log-probs), greedy and seeded."""
+    return {"greedy": _needle_runs(invariant, GREEDY, trials=0)[0], "seeded": _needle_runs(invariant, SEEDED, 0)[0]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_llm42_equals_batch_invariant_in_any_batch(invariant: LLM, reference: dict[str, tuple],
+                                                   params: SamplingParams) -> None:
+    """Fast decoding plus replayed windows gives the batch-invariant tokens and log-probs bit for bit, alone and
+    in batches; a small window makes replays cut the output (rollbacks) so the repair path is exercised."""
+    want = reference["greedy" if params is GREEDY else "seeded"]
+    for window in (8, 64):
+        llm = _sibling(invariant, "llm42", verify_window=window)
+        runs = _needle_runs(llm, params, trials=4)
+        assert set(runs) == {want}, window
+        stats = llm.engine.determinism_stats()
+        # every token is replayed but those an invariant step made over exact context (the first after prefill)
+        assert stats["replays"] > 0 and 0 < stats["replayed_tokens"] < stats["fast_tokens"], stats
+        if window == 8:
+            assert stats["rollbacks"] > 0, stats  # fast tokens were wrong and got replaced
+
+
+@pytest.mark.slow
+def test_llm42_with_chunked_prefill_prefix_cache_and_speculation(invariant: LLM, reference: dict[str, tuple]) -> None:
+    want = reference["greedy"]
+    chunked = _sibling(invariant, "llm42", max_num_batched_tokens=5, verify_window=16)
+    assert _needle_runs(chunked, GREEDY, trials=1) == [want, want]
+    assert _needle_runs(chunked, GREEDY, trials=0)[0] == want  # prompt blocks from the prefix cache
+    for config in ({"method": "ngram"}, {"method": "ngram", "num_speculative_tokens": 4},
+                   {"method": "draft", "model": MODEL, "num_speculative_tokens": 3}):
+        spec = _sibling(invariant, "llm42", speculative_config=config, verify_window=16)
+        assert set(_needle_runs(spec, GREEDY, trials=2)) == {want}, config
+
+
+@pytest.mark.slow
+def test_llm42_streams_only_verified_text(invariant: LLM) -> None:
+    """Deltas are sent only once a window is replayed: their concatenation is the final text, and no delta is
+    ever taken back (a stop string inside a replayed window still cuts correctly)."""
+    engine = _sibling(invariant, "llm42", verify_window=8).engine
+    params = SamplingParams(temperature=0, max_tokens=40, stop=["."])
+    engine.add_request(NEEDLE, params, request_id="r")
+    deltas, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.append(out.delta_text)
+            if out.finished:
+                final = out.outputs[0]
+    assert final is not None and "".join(deltas) == final.text
+    plain = invariant.generate(NEEDLE, params, use_tqdm=False)[0].outputs[0]
+    assert (final.text, final.token_ids, final.finish_reason) == (plain.text, plain.token_ids, plain.finish_reason)
+
+
+@pytest.mark.slow
+def test_margin_gate_tokens_are_deterministic_and_triggers_are_counted(invariant: LLM,
+                                                                       reference: dict[str, tuple]) -> None:
+    """With the threshold calibrated for this model, the needle's tokens are the same in every batch (and equal
+    the batch-invariant ones); only low-margin tokens are re-checked, so the trigger rate is between 0 and 1."""
+    from turbospec.determinism.calibrate import calibrate
+
+    probe = _sibling(invariant, None)
+    calibration = calibrate(probe.engine, num_prompts=6, max_tokens=32, progress=False)
+    # every token is compared but each prompt's first, which the (invariant) prefill step made
+    assert calibration.tokens == 6 * 31 and calibration.threshold == pytest.approx(2.0 * calibration.max_drift)
+    assert calibration.max_flip_margin < calibration.threshold  # every flip seen would have been re-checked
+    for params, name in ((GREEDY, "greedy"), (SEEDED, "seeded")):
+        gate = _sibling(invariant, "margin-gate", margin_threshold=calibration.threshold)
+        tokens = {r[0] for r in _needle_runs(gate, params, trials=4)}
+        assert tokens == {reference[name][0]}, name
+        stats = gate.engine.determinism_stats()
+        assert 0 < stats["rechecks"] < stats["fast_tokens"] and 0 < stats["trigger_rate"] < 1, stats
+    # threshold 0 re-checks nothing: fast decoding after an invariant prefill
+    off = _sibling(invariant, "margin-gate", margin_threshold=0.0)
+    off.generate([NEEDLE, *FILLERS[:3]], GREEDY, use_tqdm=False)
+    assert off.engine.determinism_stats()["rechecks"] == 0 and off.engine.determinism_stats()["fast_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_per_request_modes_on_a_default_engine(invariant: LLM, reference: dict[str, tuple]) -> None:
+    """A request may ask for llm42 on an engine running the default mode; the requests around it stay fast."""
+    engine = _sibling(invariant, None).engine
+    rng = random.Random(3)
+    for _ in range(2):
+        others = [engine.add_request(rng.choice(FILLERS), SamplingParams(temperature=0, max_tokens=rng.randint(4, 20)))
+                  for _ in range(rng.randint(2, 8))]
+        needle = engine.add_request(NEEDLE, GREEDY, deterministic="llm42")
+        assert engine.requests[needle].determinism == "llm42" and engine.requests[others[0]].determinism is None
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        c = done[needle].outputs[0]
+        assert (tuple(c.token_ids), tuple(tuple(sorted((t, lp.logprob) for t, lp in s.items())) for s in c.logprobs)) \
+            == reference["greedy"]
+    with pytest.raises(ValueError, match="engine-wide"):
+        engine.add_request(NEEDLE, GREEDY, deterministic="batch-invariant")
+    with pytest.raises(ValueError, match="unknown deterministic mode"):
+        engine.add_request(NEEDLE, GREEDY, deterministic="exact")
+    assert invariant.engine.request_determinism("llm42") == "batch-invariant"  # already the strongest mode

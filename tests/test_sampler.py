@@ -444,3 +444,23 @@ def test_directly_constructed_batch_derives_summaries() -> None:
     logits = scrambled_logits().expand(3, -1)
     assert direct.rows_to_sample() == [1, 2]
     torch.testing.assert_close(processed_probs(logits, direct), processed_probs(logits, built))
+
+
+def test_positional_sample_is_exact_and_keyed_by_position() -> None:
+    """Deterministic modes sample position n with noise keyed by (seed, n): the same key gives the same token,
+    tokens over many positions follow the distribution (chi-square), and a greedy row's margin is its top-1
+    minus top-2 logit."""
+    from turbospec.sampler import positional_sample
+
+    logits = scrambled_logits().unsqueeze(0)
+    probs = torch.tensor([BASE_PROBS[PERM.index(t)] for t in range(len(PERM))]).unsqueeze(0)
+    first, _ = positional_sample(logits, probs, [(7, 100)])
+    assert positional_sample(logits, probs, [(7, 100)])[0] == first
+    n = 4000
+    tokens, margins = positional_sample(logits.expand(n, -1), probs.expand(n, -1), [(7, i) for i in range(n)])
+    counts = torch.tensor([tokens.count(t) for t in range(len(PERM))], dtype=torch.float64)
+    assert chi_square(counts, probs[0].double()) < 25.0, counts  # df 3: P(chi2_3 > 25) ~ 1.6e-5
+    assert (margins >= 0).all()
+    greedy_tokens, greedy_margin = positional_sample(logits, probs, [None])
+    assert greedy_tokens == [PERM[0]]
+    assert greedy_margin.item() == pytest.approx(math.log(0.5) - math.log(0.3))

@@ -247,3 +247,29 @@ def test_batch_invariant_server_answers_a_request_bitwise_alike_under_any_load()
 
         for n in (1, 5, 12):
             assert asyncio.run(crowded(n)) == alone  # text, token log-probs and alternatives, bit for bit
+
+
+def test_a_request_can_ask_for_a_deterministic_mode(server: LiveServer, monkeypatch: pytest.MonkeyPatch,
+                                                    tmp_path: Any) -> None:
+    """`"deterministic": "llm42"` on a default-mode server: the answer (text, log-probs, alternatives) is the
+    same alone and among other requests. Modes the server cannot give are refused with 400 on that field."""
+    body = {"model": MODEL, "prompt": "needle", "max_tokens": 12, "temperature": 0, "logprobs": 3,
+            "deterministic": "llm42"}
+    alone = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+
+    async def crowded(n: int) -> dict[str, Any]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            others = [c.post("/v1/completions", json={**body, "prompt": "y" * (3 * i + 1), "max_tokens": 5 + i,
+                                                      "deterministic": None}) for i in range(n)]
+            results = await asyncio.gather(c.post("/v1/completions", json=body), *others)
+            return results[0].json()["choices"][0]
+
+    for n in (1, 6):
+        assert asyncio.run(crowded(n)) == alone
+    monkeypatch.setenv("TURBOSPEC_HOME", str(tmp_path))  # no cached margin calibration for this model
+    for value, words in (("batch-invariant", "engine-wide"), ("margin-gate", "calibrate-margin"),
+                         ("exact", "llm42")):
+        r = greedy(server, deterministic=value)
+        assert r.status_code == 400, (value, r.text)
+        error = r.json()["error"]
+        assert error["param"] == "deterministic" and words in error["message"], error

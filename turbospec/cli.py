@@ -1,4 +1,5 @@
-"""Command line: ``turbospec pull | models | generate | serve | profile | bench serve``. Bad input exits with code 2 and a one-line reason."""
+"""Command line: ``turbospec pull | models | generate | serve | profile | calibrate-margin | bench serve``.
+Bad input exits with code 2 and a one-line reason."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import replace
 from typing import Any
 from collections.abc import Sequence
 
+from .config import DETERMINISTIC_MODES
 from .models import registry
 
 
@@ -74,6 +76,15 @@ def _parser() -> argparse.ArgumentParser:
     prof.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
     prof.add_argument("--num-threads", type=int, default=None)
     prof.add_argument("--max-num-seqs", type=int, default=32)
+
+    cal = sub.add_parser("calibrate-margin", help="measure how far the fast path moves token scores and cache the "
+                                                  "margin threshold that --deterministic margin-gate uses")
+    cal.add_argument("--model", required=True, help="registry name, .gguf path, HF directory or dummy:<shape>")
+    cal.add_argument("--num-prompts", type=int, default=16, help="held-out ShareGPT prompts to decode")
+    cal.add_argument("--max-tokens", type=int, default=64, help="tokens decoded per prompt")
+    cal.add_argument("--safety", type=float, default=2.0, help="threshold = safety x the largest drift seen")
+    cal.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
+    cal.add_argument("--num-threads", type=int, default=None)
     return p
 
 
@@ -81,13 +92,31 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument("--deterministic", default=None, choices=["batch-invariant", "layercast"],
-                   help="batch-invariant: each request's tokens and log-probs are bitwise independent of the batch; "
+    p.add_argument("--deterministic", default=None, choices=list(DETERMINISTIC_MODES),
+                   help="batch-invariant: each request's tokens and log-probs are bitwise independent of the batch "
+                        "(invariant kernels every step); llm42: the same output, decoding fast and replaying windows "
+                        "of --verify-window tokens; margin-gate: re-check only tokens whose top-1/top-2 margin is "
+                        "below the calibrated threshold (same tokens as far as the calibration holds); "
                         "layercast: bf16 weights, float32 compute and KV (rarer drift, not none)")
+    p.add_argument("--verify-window", type=_window, default=64,
+                   help="llm42: unverified tokens before a replay, or auto (chosen from the measured mismatch "
+                        "rate and replay cost, at most 64)")
+    p.add_argument("--margin-threshold", type=float, default=None,
+                   help="margin-gate: re-check tokens whose margin (nats) is below this; default: the calibrated "
+                        "value (turbospec calibrate-margin; calibrated briefly on first use)")
     p.add_argument("--speculative-config", default=None,
                    help='JSON, e.g. \'{"method": "ngram"}\' (the goodput controller picks k), '
                         '\'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                         '\'{"method": "draft", "model": "qwen2.5-coder-0.5b"}\'')
+
+
+def _window(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or auto, got {text!r}") from None
 
 
 def _int_list(flag: str, text: str) -> tuple[int, ...]:
@@ -128,6 +157,32 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    from .config import EngineConfig
+    from .determinism.calibrate import calibrate, calibration_path
+    from .engine import LLMEngine
+
+    try:
+        for flag, value in (("--num-prompts", args.num_prompts), ("--max-tokens", args.max_tokens)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if not args.safety >= 1.0:
+            raise ValueError(f"--safety must be >= 1 (a threshold below the drift seen would miss flips), "
+                             f"got {args.safety}")
+        engine = LLMEngine(EngineConfig(args.model, dtype=args.dtype, num_threads=args.num_threads,
+                                        kv_cache_memory_gib=0.25))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    result = calibrate(engine, args.num_prompts, args.max_tokens, args.safety)
+    path = calibration_path(engine)
+    result.save(path)
+    print(f"margin threshold {result.threshold:.4g} nats (safety {result.safety} x largest drift "
+          f"{result.max_drift:.4g}; p99 drift {result.p99_drift:.4g}); {result.flips} of {result.tokens} fast tokens "
+          f"flipped, the largest flipped margin {result.max_flip_margin:.4g}; prompts: {result.source}")
+    print(f"saved {path}")
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
     from .llm import LLM
     from .sampling_params import SamplingParams
@@ -141,7 +196,7 @@ def _generate(args: argparse.Namespace) -> int:
             raise ValueError("--prompt is empty: give at least one character")
         llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, num_threads=args.num_threads,
                   speculative_config=args.speculative_config, deterministic=args.deterministic,
-                  progress=not args.json)
+                  verify_window=args.verify_window, margin_threshold=args.margin_threshold, progress=not args.json)
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
         else:
@@ -156,6 +211,8 @@ def _generate(args: argparse.Namespace) -> int:
         }
         if llm.engine.proposer is not None:
             result["stats"] = llm.spec_stats()
+        if args.deterministic in ("llm42", "margin-gate"):
+            result["determinism"] = llm.engine.determinism_stats()
         if completion.logprobs is not None:
             result["logprobs"] = [{str(t): lp.logprob for t, lp in step.items()} for step in completion.logprobs]
         print(json.dumps(result))
@@ -179,7 +236,8 @@ def _serve(args: argparse.Namespace) -> int:
         config = EngineConfig(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                               num_threads=args.num_threads, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens,
-                              speculative_config=args.speculative_config, deterministic=args.deterministic)
+                              speculative_config=args.speculative_config, deterministic=args.deterministic,
+                              verify_window=args.verify_window, margin_threshold=args.margin_threshold)
         engine = LLMEngine(config)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
@@ -211,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "profile":
             return _profile(args)
+        if args.command == "calibrate-margin":
+            return _calibrate(args)
         if args.command == "serve":
             return _serve(args)
         if args.command == "bench":

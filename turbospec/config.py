@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from .control.acceptance import DEFAULT_ESTIMATOR, ESTIMATORS
 
 DTYPE_NAMES = ("bfloat16", "bf16", "float32", "fp32", "float16", "fp16")
-DETERMINISTIC_MODES = ("batch-invariant", "layercast")
+DETERMINISTIC_MODES = ("batch-invariant", "llm42", "margin-gate", "layercast")
+# the modes a single request may ask for (the others change every row's kernels or the KV dtype: engine-wide)
+REQUEST_DETERMINISTIC_MODES = ("batch-invariant", "llm42", "margin-gate")
 
 
 @dataclass
@@ -31,8 +33,17 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | str | None = None
     # None (fastest); "batch-invariant": a request's tokens and log-probs are bitwise the same whatever else is
     # batched with it, however its prompt is chunked or cached, and with or without speculation; "layercast":
-    # bf16 weights with float32 compute and KV, a reference point that makes drift rarer but does not remove it
+    # bf16 weights with float32 compute and KV, a reference point that makes drift rarer but does not remove it;
+    # "llm42": fast decoding, windows of verify_window tokens replayed on the invariant path (same output as
+    # batch-invariant); "margin-gate": only tokens whose top-1/top-2 margin is below margin_threshold are
+    # re-checked (see determinism/exact.py)
     deterministic: str | None = None
+    # llm42: unverified tokens a request holds before its window is replayed, or "auto": the window that
+    # minimises replay cost plus tokens wasted after mismatches, from measured rates (at most 64)
+    verify_window: int | str = 64
+    # margin-gate: re-check tokens whose margin (nats) is below this; None: the calibrated value for the model
+    # (`turbospec calibrate-margin`, run briefly on first use when there is none)
+    margin_threshold: float | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:
@@ -52,6 +63,11 @@ class EngineConfig:
         if self.deterministic not in (None, *DETERMINISTIC_MODES):
             raise ValueError(f"unknown deterministic mode {self.deterministic!r}: expected one of "
                              f"{', '.join(DETERMINISTIC_MODES)} (or leave it unset)")
+        if self.verify_window != "auto":
+            _positive("verify_window", self.verify_window, 'or "auto"')
+        m = self.margin_threshold
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not m >= 0):
+            raise ValueError(f"margin_threshold must be a number >= 0 (nats) or None (calibrated), got {m!r}")
         if self.deterministic == "layercast" and self.dtype not in ("bfloat16", "bf16"):
             raise ValueError(f"layercast keeps bfloat16 weights and computes in float32: it needs dtype bfloat16, "
                              f"got {self.dtype!r}")

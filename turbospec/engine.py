@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .config import EngineConfig
+from .config import REQUEST_DETERMINISTIC_MODES, EngineConfig
 from .control.acceptance import make_estimator
 from .control.controller import Candidate, GoodputController
 from .control.step_time import StepFeatures, StepSample
+from .determinism.exact import VERIFIED_MODES, ExactDecoding, PickedRows
 from .kv.block_manager import BlockManager
 from .kv.kv_cache import KVCache
 from .models.loader import LoadedModel, load_model, parse_dtype
@@ -23,7 +24,7 @@ from .models.tokenizer import IncrementalDetokenizer
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .request import Request
 from .runner import ModelOutput, ModelRunner
-from .sampler import SamplingBatch, compute_logprobs, make_generator, processed_probs, sample
+from .sampler import SamplingBatch, compute_logprobs, fold_seed, make_generator, processed_probs, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .spec.factory import build_proposer
@@ -66,6 +67,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded.model, self.kv, self.blocks, config.device,
                                   batch_invariant=config.deterministic == "batch-invariant",
                                   compute_dtype=self.compute_dtype if self.compute_dtype != self.dtype else None)
+        if config.deterministic in REQUEST_DETERMINISTIC_MODES:  # they run the invariant path: probe it now
+            from .determinism.batch_invariant import probe_model
+
+            log.info("batch-invariant linears pad rows to these multiples: %s", probe_model(self.loaded.model))
         self.requests: dict[str, Request] = {}
         self.last_step: StepStats | None = None
         self.spec = config.speculative_config
@@ -84,8 +89,13 @@ class LLMEngine:
         # (request id, drafts verified, drafts accepted) per verification, when set to a list: the traces that
         # benchmarks/acceptance_estimators.py replays to choose the acceptance estimator
         self.verify_trace: list[tuple[str, int, int]] | None = None
+        # positional sampling, llm42 replays and margin-gate re-checks for requests in a deterministic mode
+        self.exact = ExactDecoding(self)
+        self._step_invariant = False  # this step runs on the invariant path (a verified-mode prefill is in it)
         if self.spec_mode == "auto":
             self._ensure_controller(progress)
+        if config.deterministic == "margin-gate":
+            _ = self.exact.threshold  # calibrate now (and cache it) rather than in the middle of a step
 
     def _num_blocks(self) -> int:
         c = self.config
@@ -106,13 +116,15 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     prompt_token_ids: list[int] | None = None, *, speculate: bool = True,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, deterministic: str | None = None) -> str:
         """Validate and queue one request (one completion; n > 1 is fanned out by the caller).
 
         speculate=False keeps this request at k = 0 whatever the policy; arrival_time (time.monotonic) lets a
-        server count the time a request spent before it reached the engine."""
+        server count the time a request spent before it reached the engine; deterministic asks for a
+        deterministic mode for this request only (see request_determinism)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        determinism = self.request_determinism(deterministic)
         text = prompt if isinstance(prompt, str) else None
         if prompt_token_ids is None:
             if isinstance(prompt, str):
@@ -130,7 +142,8 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
             generator=None if params.greedy else make_generator(params.seed),
             eos_token_ids=() if params.ignore_eos else self.tokenizer.eos_token_ids,
-            logprobs=[] if params.logprobs is not None else None, speculate=speculate,
+            logprobs=[] if params.logprobs is not None else None, speculate=speculate, determinism=determinism,
+            noise_seed=fold_seed(params.seed) if params.seed is not None else int(torch.randint(2**31, ())),
         )
         if arrival_time is not None:
             req.arrival_time = arrival_time
@@ -151,6 +164,34 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) is {len(ids) + params.max_tokens}, "
                 f"beyond max_model_len={self.max_model_len}"
             )
+
+    def request_determinism(self, value: str | None, calibrate: bool = True) -> str | None:
+        """The deterministic mode a request runs in: the engine's, or one it asks for. llm42 and margin-gate
+        work per request on any engine but a LayerCast one; batch-invariant changes the kernels of every row in
+        a step, so only an engine started in that mode offers it (and there every request already has it).
+        margin-gate needs a threshold: with calibrate=False (a server's validation, off the engine thread) a
+        model without one is refused instead of calibrated."""
+        mode = self.config.deterministic
+        if value is None:
+            return mode if mode in REQUEST_DETERMINISTIC_MODES else None
+        if value not in REQUEST_DETERMINISTIC_MODES:
+            raise ValueError(f"unknown deterministic mode {value!r}: a request may ask for one of "
+                             f"{', '.join(REQUEST_DETERMINISTIC_MODES)}")
+        if mode == "layercast":
+            raise ValueError("this engine runs LayerCast (float32 compute and KV): per-request deterministic modes "
+                             "are not available on it")
+        if mode == "batch-invariant":
+            return mode  # every row is already computed invariantly: the strongest mode, at no extra cost
+        if value == "batch-invariant":
+            raise ValueError("batch-invariant changes the kernels of every request in a step, so it is engine-wide: "
+                             "start the engine with deterministic='batch-invariant', or ask for llm42 or margin-gate")
+        if value == "margin-gate":
+            if calibrate:
+                _ = self.exact.threshold  # calibrated on first use
+            elif not self.exact.has_threshold():
+                raise ValueError("margin-gate needs a calibrated threshold for this model: run `turbospec "
+                                 "calibrate-margin --model ...` or start the server with --margin-threshold")
+        return value
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.requests.pop(request_id, None)
@@ -202,6 +243,10 @@ class LLMEngine:
             out["controller"] = self.controller.stats.as_dict()
         return out
 
+    def determinism_stats(self) -> dict[str, float | int]:
+        """Verified-mode counters: margin-gate re-checks (trigger rate) and flips, llm42 replays and rollbacks."""
+        return self.exact.stats.as_dict()
+
     def reset_spec_stats(self) -> None:
         self.spec_stats = SpecDecodingStats()
         if self.controller is not None:
@@ -211,6 +256,9 @@ class LLMEngine:
     # --- one step ------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        # llm42 windows that filled up (or would finish their request) are replayed before anything else: the
+        # step-time model below sees only the regular step
+        replayed = self.exact.replay_due() if self.exact.due else []
         start = time.perf_counter()
         speculating = self.proposer is not None and self.spec_mode != 0
         self._ngram_drafts = {}
@@ -220,15 +268,19 @@ class LLMEngine:
         if sched.is_empty:
             self.last_step = StepStats(0, 0, len(sched.preempted), proposed - start)
             self.last_sample = None
-            return []
+            return replayed
         learn = self.controller is not None and self.spec_mode == "auto"
         # only the controller and the profiler read step samples: plain serving does not build them
         features = self._features(sched, draft_tokens) if learn or self.sample_steps else None  # before _update
-        model_out = self.runner.execute(sched)
+        self._step_invariant = any(s.request.determinism in VERIFIED_MODES
+                                   and s.start < len(s.request.prompt_token_ids) for s in sched.scheduled)
+        model_out = self.runner.execute(sched, self._step_invariant)
         forwarded = time.perf_counter()
-        outputs = self._update(sched, model_out)
+        outputs = replayed + self._update(sched, model_out)
         end = time.perf_counter()
         self.last_step = StepStats(len(sched.scheduled), sched.num_batched_tokens, len(sched.preempted), end - start)
+        if self.exact.fixed_window is None:
+            self.exact.observe_step(end - start)
         self.last_sample = None
         if features is not None:
             # n-gram lookups are bookkeeping-sized: they count as overhead, not as a draft model
@@ -275,7 +327,7 @@ class LLMEngine:
         assert self.spec is not None
         limit = self.spec.k_limit if self.spec_mode == "auto" else int(self.spec_mode)
         # never draft past max_tokens: the last token is always the verifier's own
-        caps = [max(0, min(limit if r.speculate else 0, r.params.max_tokens - len(r.output_token_ids) - 1))
+        caps = [max(0, min(limit if r.speculate else 0, r.params.max_tokens - r.num_output_tokens - 1))
                 for r in decoding]
         if self.spec_mode != "auto":
             return {r.request_id: k for r, k in zip(decoding, caps)}
@@ -287,7 +339,7 @@ class LLMEngine:
         base, spare_tokens = self._base_features(decoding)
         caps = self._guard_kv(decoding, caps)
         candidates = [Candidate(r.request_id, k, r.num_tokens, self.proposer.catch_up_tokens(r),
-                                r.params.max_tokens - len(r.output_token_ids)) for r, k in zip(decoding, caps)]
+                                r.params.max_tokens - r.num_output_tokens) for r, k in zip(decoding, caps)]
         ks = self.controller.choose(candidates, base, spare_tokens)
         return {r.request_id: k for r, k in zip(decoding, ks)}
 
@@ -351,7 +403,10 @@ class LLMEngine:
             decoding = s.samples and s.num_new_tokens == 1  # before appending: that moves the end
             if result:  # append first: committing hashes the accepted tokens into the prefix cache
                 try:
-                    outputs.append(self._append(req, result[0], now))
+                    if req.determinism == "llm42" and (req.unverified_token_ids or not self._step_invariant):
+                        self.exact.hold(req, [t for t, _ in result[0]])  # output once its window is replayed
+                    else:
+                        outputs.append(self._append(req, result[0], now))
                 except Exception as exc:  # e.g. the tokenizer fails on this request's text: fail it alone
                     log.exception("request %s failed while appending tokens", req.request_id)
                     failed = self.fail_request(req.request_id, f"{type(exc).__name__}: {exc}")
@@ -359,6 +414,8 @@ class LLMEngine:
                         outputs.append(failed)
                     req.spec_token_ids, req.spec_draft_probs = [], None
                     continue
+            if self._step_invariant and (s.start < len(req.prompt_token_ids) or s.start <= req.num_exact_kv):
+                req.num_exact_kv = s.start + s.num_new_tokens + accepted  # before commit: it reads this
             self.scheduler.commit(s, accepted)
             if decoding:
                 self.spec_stats.observe_choice(num_drafts)
@@ -393,15 +450,36 @@ class LLMEngine:
                 ) -> dict[str, tuple[list[tuple[int, dict[int, Logprob] | None]], int]]:
         """Sample or verify every request that reached the end of its known tokens.
 
-        A request with k drafts owns k + 1 logit rows; with k = 0 this is plain sampling of one row."""
-        picked = [(s.request, out.row_start[i], out.num_rows[i])
-                  for i, s in enumerate(sched.scheduled) if out.row_start[i] >= 0]
-        if not picked:
-            return {}
+        A request with k drafts owns k + 1 logit rows; with k = 0 this is plain sampling of one row. Requests in
+        a deterministic mode sample by position (determinism/exact.py), the others by their generators."""
+        exact: list[PickedRows] = []
+        picked: list[tuple[Request, int, int]] = []
+        for i, s in enumerate(sched.scheduled):
+            if out.row_start[i] < 0:
+                continue
+            if s.request.determinism:
+                exact.append(PickedRows(s.request, out.row_start[i], out.num_rows[i], s.start + s.num_new_tokens))
+            else:
+                picked.append((s.request, out.row_start[i], out.num_rows[i]))
+        result = self._verify_sampled(picked, out.logits) if picked else {}
+        if exact:
+            invariant = self._step_invariant or self.runner.batch_invariant
+            result.update(self.exact.verify(exact, out.logits, invariant))
+        return result
+
+    def _verify_sampled(self, picked: list[tuple[Request, int, int]], all_logits: torch.Tensor
+                        ) -> dict[str, tuple[list[tuple[int, dict[int, Logprob] | None]], int]]:
+        """Rejection sampling (or plain sampling) with each request's own generator, over its rows."""
+        index = [row + j for _, row, n in picked for j in range(n)]
+        logits = all_logits if len(index) == all_logits.shape[0] else all_logits[torch.tensor(index, device=all_logits.device)]
+        starts = [0]
+        for _, _, n in picked[:-1]:
+            starts.append(starts[-1] + n)
+        picked = [(r, start, n) for (r, _, n), start in zip(picked, starts)]
         row_params = [r.params for r, _, n in picked for _ in range(n)]
         row_gens = [r.generator for r, _, n in picked for _ in range(n)]
-        batch = SamplingBatch.build(row_params, row_gens, out.logits.shape[-1], device=out.logits.device)
-        probs = processed_probs(out.logits, batch)
+        batch = SamplingBatch.build(row_params, row_gens, logits.shape[-1], device=logits.device)
+        probs = processed_probs(logits, batch)
         reqs = [r for r, _, _ in picked]
         if all(n == 1 for _, _, n in picked):  # nobody speculated: plain sampling, one row each
             emitted = [[t] for t in sample(probs, batch).tolist()]
@@ -420,8 +498,8 @@ class LLMEngine:
         if any(r.params.logprobs is not None for r in reqs):
             rows = [row + j for (_, row, _), toks in zip(picked, emitted) for j in range(len(toks))]
             flat = [t for toks in emitted for t in toks]
-            logprobs = self._logprobs(row_reqs, out.logits[torch.tensor(rows, device=out.logits.device)],
-                                      torch.tensor(flat, device=out.logits.device))
+            logprobs = self._logprobs(row_reqs, logits[torch.tensor(rows, device=logits.device)],
+                                      torch.tensor(flat, device=logits.device))
         result_map: dict[str, tuple[list[tuple[int, dict[int, Logprob] | None]], int]] = {}
         pos = 0
         for req, toks, acc in zip(reqs, emitted, accepted):

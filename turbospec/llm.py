@@ -22,7 +22,8 @@ class LLM:
 
     Engine options are EngineConfig's fields (``dtype``, ``max_model_len``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``block_size``, ``enable_prefix_caching``, ``kv_cache_memory_gib``,
-    ``num_threads``, ``device``, ``seed``, ``speculative_config``).
+    ``num_threads``, ``device``, ``seed``, ``speculative_config``, ``deterministic``, ``verify_window``,
+    ``margin_threshold``).
     """
 
     def __init__(self, model: str, progress: bool = True, **kwargs: Any) -> None:

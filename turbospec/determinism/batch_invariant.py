@@ -13,6 +13,12 @@ tests/test_determinism.py check each claim):
   blocks). Blocks beyond a query's context contribute exact zeros. Queries are padded to a multiple of 16.
 - Norms, softmax over one row, rotary embeddings and activations are per-row or elementwise: already
   invariant. The thread count is pinned by the engine config.
+
+Padding costs: a batch-8 decode would pay for 16 rows. But on the machine these notes were written on (AMD
+EPYC, torch 2.13, bf16), every weight shape of our models gives a row the same bits for every M >= 2; only
+M = 1 takes another kernel for some shapes (large K). ``probe_linear`` finds, once per shape and process, the
+smallest row multiple (1, 2, 4, 8 or 16) that makes a shape invariant, and ``invariant_linear`` pads to that.
+The needle tests check the whole engine either way.
 """
 
 from __future__ import annotations
@@ -33,12 +39,43 @@ def pad_rows(x: torch.Tensor, multiple: int = ROW_MULTIPLE) -> tuple[torch.Tenso
     return x, rows
 
 
+PROBE_ROWS = (*range(1, 18), 24, 31, 32, 33, 64, 100, 128, 256)
+PROBE_CHECKED_ROWS = 16  # rows of each probe call compared with the reference calls
+ROW_MULTIPLES = (1, 2, 4, 8, ROW_MULTIPLE)
+_row_multiple: dict[tuple[object, ...], int] = {}
+
+
+def probe_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> int:
+    """The smallest row multiple r (1, 2, 4, 8 or 16) such that F.linear with this weight's shape, dtype and
+    device, on this many threads, gives every row the same bits whatever the call's row count, once rows are
+    padded to a multiple of r. Probed once per process: every row count in PROBE_ROWS, two random inputs,
+    compared with calls of exactly r rows. 16 is the fallback (what the tests check the engine with)."""
+    key = (tuple(weight.shape), weight.dtype, weight.device, bias is not None, torch.get_num_threads())
+    if key not in _row_multiple:
+        gen = torch.Generator().manual_seed(0)
+        inputs = [torch.randn(max(PROBE_ROWS), weight.shape[1], generator=gen).to(weight.device, weight.dtype)
+                  for _ in range(2)]
+        _row_multiple[key] = next((r for r in ROW_MULTIPLES[:-1] if _agrees(weight, bias, inputs, r)), ROW_MULTIPLE)
+    return _row_multiple[key]
+
+
+def _agrees(weight: torch.Tensor, bias: torch.Tensor | None, inputs: list[torch.Tensor], multiple: int) -> bool:
+    for x in inputs:
+        reference = torch.cat([F.linear(x[i:i + multiple], weight, bias) for i in range(0, PROBE_CHECKED_ROWS, multiple)])
+        for m in PROBE_ROWS:
+            rows = min(m, PROBE_CHECKED_ROWS)
+            if not torch.equal(F.linear(pad_rows(x[:m], multiple)[0], weight, bias)[:rows], reference[:rows]):
+                return False
+    return True
+
+
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear whose rows do not depend on how many other rows the call has."""
+    """F.linear whose rows do not depend on how many other rows the call has: rows padded to the multiple that
+    the weight's shape probed at (often 1 or 2, at most 16)."""
     if x.dim() != 2:
         return invariant_linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
-    padded, rows = pad_rows(x)
-    return F.linear(padded, weight, bias)[:rows]
+    padded, rows = pad_rows(x, probe_linear(weight, bias))
+    return F.linear(padded, weight, bias)[:rows] if padded.shape[0] != rows else F.linear(x, weight, bias)
 
 
 def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -68,3 +105,16 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     partial = torch.matmul(weights, vb)[..., :rows, :].float()  # [B, Hkv, nb, rows, D]
     out = partial.cumsum(2)[:, :, -1] / denom.clamp_min(1e-30)[..., None]  # [B, Hkv, rows, D]
     return out.view(b, hq, nq, d).to(q.dtype)
+
+
+def probe_model(model: torch.nn.Module) -> dict[tuple[int, ...], int]:
+    """Probe every linear weight of a model now (an engine that will run the invariant path calls this at
+    start-up, so the first invariant step is not the one that pays for it). Returns shape -> row multiple."""
+    result = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            result[tuple(module.weight.shape)] = probe_linear(module.weight, module.bias)
+    embed = getattr(model, "embed", None)
+    if isinstance(embed, torch.nn.Embedding):  # tied LM head
+        result[tuple(embed.weight.shape)] = probe_linear(embed.weight)
+    return result

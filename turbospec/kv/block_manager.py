@@ -5,8 +5,9 @@ a block table; the token at position ``p`` lives in slot
 ``table[p // block_size] * block_size + p % block_size``.
 
 Prefix caching: once a block is full of committed tokens it gets the hash
-``hash((parent_hash, tuple(block_tokens)))`` (parent ``None`` for the first block), so a
-hash identifies the whole prefix up to the end of that block. Blocks whose ref_count
+``hash((parent_hash, tuple(block_tokens)))`` (the first block's parent is the sequence's cache salt,
+``None`` by default), so a hash identifies the whole prefix up to the end of that block, and sequences with different
+salts never share KV (the verified determinism modes only share KV computed by the invariant path). Blocks whose ref_count
 drops to 0 keep their hash and stay findable until they are reused for new content.
 This module is pure Python (no torch) so it can be tested exhaustively on CPU.
 """
@@ -34,6 +35,7 @@ class _SeqState:
     table: list[int] = field(default_factory=list)
     num_slots: int = 0
     num_committed: int = 0
+    salt: Hashable | None = None
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -97,7 +99,7 @@ class BlockManager:
         return [st.table[p // bs] * bs + p % bs for p in range(start, end)]
 
     # ------------------------------------------------------------ prefix cache
-    def _find_cached(self, token_ids: Sequence[int]) -> list[int]:
+    def _find_cached(self, token_ids: Sequence[int], salt: Hashable | None = None) -> list[int]:
         """Block ids of the longest cached prefix, leaving at least one token to compute."""
         if not self.enable_prefix_caching:
             return []
@@ -105,7 +107,7 @@ class BlockManager:
         # Never hit the whole prompt: the model must run on >= 1 token to produce logits.
         max_hits = max(0, (len(token_ids) - 1) // bs)
         hits: list[int] = []
-        parent: int | None = None
+        parent: Hashable | None = salt
         for i in range(max_hits):
             h = hash((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
             block_id = self._hash_to_block.get(h)
@@ -115,9 +117,9 @@ class BlockManager:
             parent = h
         return hits
 
-    def num_cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+    def num_cached_prefix_tokens(self, token_ids: Sequence[int], salt: Hashable | None = None) -> int:
         """How many leading tokens allocate() would find cached (no side effects)."""
-        return len(self._find_cached(token_ids)) * self.block_size
+        return len(self._find_cached(token_ids, salt)) * self.block_size
 
     def reset_prefix_cache(self) -> None:
         """Drop the hashes of all blocks with ref_count 0 (live blocks keep theirs)."""
@@ -160,21 +162,23 @@ class BlockManager:
             self._release(st.table.pop())
 
     # ---------------------------------------------------------------- mutation
-    def can_allocate(self, token_ids: Sequence[int], num_tokens: int) -> bool:
-        """Whether allocate(token_ids, num_tokens) would succeed for a new sequence."""
-        return self._blocks_needed(token_ids, num_tokens)[1] <= len(self._free)
+    def can_allocate(self, token_ids: Sequence[int], num_tokens: int, salt: Hashable | None = None) -> bool:
+        """Whether allocate(token_ids, num_tokens, salt) would succeed for a new sequence."""
+        return self._blocks_needed(token_ids, num_tokens, salt)[1] <= len(self._free)
 
-    def _blocks_needed(self, token_ids: Sequence[int], num_tokens: int) -> tuple[list[int], int]:
+    def _blocks_needed(self, token_ids: Sequence[int], num_tokens: int,
+                       salt: Hashable | None = None) -> tuple[list[int], int]:
         if not 0 <= num_tokens <= len(token_ids):
             raise ValueError(f"num_tokens={num_tokens} outside [0, {len(token_ids)}]")
-        hits = self._find_cached(token_ids)
+        hits = self._find_cached(token_ids, salt)
         num_slots = max(num_tokens, len(hits) * self.block_size)
         new_blocks = _cdiv(num_slots, self.block_size) - len(hits)
         # Hits on free (evictable) blocks take them out of the free pool too.
         free_hits = sum(1 for b in hits if self._blocks[b].ref_count == 0)
         return hits, new_blocks + free_hits
 
-    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], num_tokens: int) -> int:
+    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], num_tokens: int,
+                 salt: Hashable | None = None) -> int:
         """Register a new sequence and reserve slots for its first num_tokens tokens.
 
         token_ids are all known tokens (prompt, or prompt + outputs when resuming after
@@ -185,11 +189,11 @@ class BlockManager:
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already allocated")
-        hits, needed = self._blocks_needed(token_ids, num_tokens)
+        hits, needed = self._blocks_needed(token_ids, num_tokens, salt)
         if needed > len(self._free):
             raise NoFreeBlocksError(f"sequence {seq_id!r} needs {needed} free blocks, only {len(self._free)} free")
         cached = len(hits) * self.block_size
-        st = _SeqState(num_slots=max(num_tokens, cached), num_committed=cached)
+        st = _SeqState(num_slots=max(num_tokens, cached), num_committed=cached, salt=salt)
         # Take hits first so popping fresh blocks can never evict a block we just hit.
         for block_id in hits:
             block = self._blocks[block_id]
@@ -237,7 +241,7 @@ class BlockManager:
             for i in range(st.num_committed // bs, n // bs):
                 block = self._blocks[st.table[i]]
                 # Blocks before the first uncommitted one are all hashed (see truncate).
-                parent = self._blocks[st.table[i - 1]].hash if i > 0 else None
+                parent = self._blocks[st.table[i - 1]].hash if i > 0 else st.salt
                 block.hash = hash((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
                 self._hash_to_block.setdefault(block.hash, block.block_id)
         st.num_committed = n

@@ -53,6 +53,7 @@ class _Add:
     params: SamplingParams
     speculate: bool
     arrival_time: float
+    deterministic: str | None = None
 
 
 @dataclass
@@ -113,13 +114,15 @@ class AsyncEngine:
                                    f"{self.max_pending}): retry later")
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       speculate: bool = True, arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+                       speculate: bool = True, arrival_time: float | None = None,
+                       deterministic: str | None = None) -> AsyncIterator[RequestOutput]:
         """Queue one request and yield its outputs until it finishes. Leaving the loop early (a disconnect,
         a cancelled handler) aborts the request in the engine."""
         self.check_capacity(1)
         stream = _Stream()
         self._streams[request_id] = stream
-        self._send(_Add(request_id, prompt_token_ids, params, speculate, arrival_time or time.monotonic()))
+        self._send(_Add(request_id, prompt_token_ids, params, speculate, arrival_time or time.monotonic(),
+                        deterministic))
         try:
             while True:
                 item = await stream.queue.get()
@@ -195,7 +198,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(cmd.prompt_token_ids, cmd.params, request_id=cmd.request_id,
                                         prompt_token_ids=cmd.prompt_token_ids, speculate=cmd.speculate,
-                                        arrival_time=cmd.arrival_time)
+                                        arrival_time=cmd.arrival_time, deterministic=cmd.deterministic)
             except ValueError as exc:
                 results.append((cmd.request_id, RequestFailed(str(exc))))
 

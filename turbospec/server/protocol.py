@@ -58,6 +58,9 @@ class _SamplingFields(StrictModel):
     skip_special_tokens: bool = True
     # turbospec: false keeps this request at k = 0 (no drafts) whatever the server's speculation policy
     speculation: bool = True
+    # turbospec: make this request deterministic (llm42 or margin-gate on any server; batch-invariant only on a
+    # server started with --deterministic batch-invariant); absent: the server's --deterministic mode
+    deterministic: Literal["batch-invariant", "llm42", "margin-gate"] | None = None
     user: str | None = None  # an end-user id for abuse tracking: carries no behaviour, so accepting it is safe
     # OpenAI fields accepted only at their neutral values
     frequency_penalty: float = 0.0

@@ -46,6 +46,7 @@ class _Run:
     jobs: list[Job]
     speculate: bool
     arrival: float
+    deterministic: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -82,6 +83,10 @@ class OpenAIServing:
             req.check_supported()
         except UnsupportedValue as exc:
             raise bad_request(str(exc), exc.param) from exc
+        try:
+            self.engine.engine.request_determinism(req.deterministic, calibrate=False)
+        except ValueError as exc:
+            raise bad_request(str(exc), "deterministic") from exc
         base = uuid.uuid4().hex
         jobs: list[Job] = []
         for p, ids in enumerate(prompts):
@@ -117,7 +122,7 @@ class OpenAIServing:
         async def pump(job: Job) -> None:
             try:
                 async for out in self.engine.generate(job.request_id, job.prompt_ids, job.params,
-                                                      run.speculate, run.arrival):
+                                                      run.speculate, run.arrival, run.deterministic):
                     merged.put_nowait((job, out))
             except Exception as exc:  # handed to the consumer, which decides
                 merged.put_nowait(exc)
@@ -181,7 +186,8 @@ class OpenAIServing:
             raise bad_request(str(exc), exc.param) from exc
         prompts = [self.encode(p) if isinstance(p, str) else p for p in raw]
         echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in raw] if req.echo else None
-        return _Run(self.make_jobs(req, prompts, req.logprobs, req.max_tokens, echo), req.speculation, arrival)
+        return _Run(self.make_jobs(req, prompts, req.logprobs, req.max_tokens, echo), req.speculation, arrival,
+                    req.deterministic)
 
     async def completion(self, req: CompletionRequest, run: _Run, is_disconnected: IsDisconnected) -> dict[str, Any]:
         outs = await self.collect(run, is_disconnected)
@@ -225,7 +231,8 @@ class OpenAIServing:
     def chat_run(self, req: ChatCompletionRequest, arrival: float) -> _Run:
         self.check_model(req.model)
         ids = self.chat_ids(req.messages, req.add_generation_prompt)
-        return _Run(self.make_jobs(req, [ids], req.num_logprobs, req.requested_max_tokens), req.speculation, arrival)
+        return _Run(self.make_jobs(req, [ids], req.num_logprobs, req.requested_max_tokens), req.speculation, arrival,
+                    req.deterministic)
 
     async def chat(self, req: ChatCompletionRequest, run: _Run, is_disconnected: IsDisconnected) -> dict[str, Any]:
         outs = await self.collect(run, is_disconnected)

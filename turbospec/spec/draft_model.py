@@ -111,6 +111,13 @@ class DraftModelProposer(Proposer):
         self.computed[rid] = pending.length + min(num_accepted, pending.k - 1)
         self.blocks.truncate(rid, self.computed[rid])
 
+    def rollback(self, request: Request, num_tokens: int) -> None:
+        rid = request.request_id
+        self.pending.pop(rid, None)
+        if rid in self.computed and self.computed[rid] > num_tokens - 1 and self.blocks.has_seq(rid):
+            self.computed[rid] = num_tokens - 1  # the last token changed: its KV is recomputed on catch-up
+            self.blocks.truncate(rid, self.computed[rid])
+
     def free(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
         self.computed.pop(request_id, None)

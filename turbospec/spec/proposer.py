@@ -30,5 +30,9 @@ class Proposer(ABC):
     def on_verified(self, request: Request, num_accepted: int) -> None:
         """Called after the target verified this request's draft and committed num_accepted of its tokens."""
 
+    def rollback(self, request: Request, num_tokens: int) -> None:
+        """The request's sequence was cut back to num_tokens tokens (an llm42 replay disagreed with a token):
+        forget any state computed for the tokens after them."""
+
     def free(self, request_id: str) -> None:
         """The request finished or was aborted: drop any state kept for it."""
