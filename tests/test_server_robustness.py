@@ -168,11 +168,11 @@ def test_a_failing_engine_step_fails_its_requests_and_serving_continues(server: 
     original = runner.execute
     calls = {"n": 0}
 
-    def fail_once(sched):
+    def fail_once(sched, *args):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("simulated kernel failure")
-        return original(sched)
+        return original(sched, *args)
 
     monkeypatch.setattr(runner, "execute", fail_once)
     first = greedy(server)

@@ -32,6 +32,8 @@ class AttnGroup:
     # (first, last + 1) when the group's queries are exactly that slice of the flat batch with no padding
     # (every decode-only step): then gathering and scattering queries are plain reshapes.
     token_range: tuple[int, int] | None = None
+    # computed with invariant_attention: each query's result independent of the group (determinism/)
+    invariant: bool = False
     _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def mask_for_window(self, window: int | None) -> torch.Tensor:
@@ -49,7 +51,8 @@ class AttnGroup:
 
     def to(self, device: torch.device) -> AttnGroup:
         return AttnGroup(*(t.to(device) for t in (self.token_index, self.query_valid, self.kv_slots, self.mask,
-                                                   self.query_positions)), token_range=self.token_range)
+                                                   self.query_positions)), token_range=self.token_range,
+                         invariant=self.invariant)
 
 
 @dataclass
@@ -59,7 +62,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
     groups: list[AttnGroup]
     num_tokens: int
-    # every query computed the same way whatever its group holds (determinism/batch_invariant.py)
+    # linears compute every row independently of the others (determinism/batch_invariant.py): set when any
+    # group is invariant (rows padded to a probed multiple, usually 1 or 2, so nearly free)
     invariant: bool = False
     # the activations' dtype when it is not the weights' (LayerCast: bf16 weights, float32 compute); the metadata
     # is the one per-step context every layer sees
@@ -76,13 +80,15 @@ def build_metadata(
     slot_tables: list[torch.Tensor],
     tree_masks: list[torch.Tensor | None] | None = None,
     max_group_query: int = 16,
+    invariant: list[bool] | None = None,
 ) -> AttentionMetadata:
     """Describe a ragged step.
 
     query_lens[i] tokens of sequence i are computed this step; they are its last ones, so its context after
     the step has context_lens[i] tokens (positions 0..context_lens[i]-1). slot_tables[i] holds the cache
     slot of every one of those positions. tree_masks[i], when given, is a [q, q] bool matrix that replaces
-    the causal mask among the sequence's own new tokens (token trees).
+    the causal mask among the sequence's own new tokens (token trees). invariant[i] puts sequence i in a group
+    computed on the batch-invariant path (and makes the linears invariant).
     """
     starts: list[int] = []
     offset = 0
@@ -92,11 +98,18 @@ def build_metadata(
     slot_mapping = torch.cat([slot_tables[i][c - q:c] for i, (q, c) in enumerate(zip(query_lens, context_lens))])
     trees = tree_masks or [None] * len(query_lens)
 
-    short = [i for i, q in enumerate(query_lens) if q <= max_group_query]
-    long = [i for i, q in enumerate(query_lens) if q > max_group_query]
-    groups = [_group(idx, query_lens, context_lens, starts, slot_tables, trees) for idx in ([short] if short else [])]
-    groups += [_group([i], query_lens, context_lens, starts, slot_tables, trees) for i in long]
-    return AttentionMetadata(slot_mapping=slot_mapping, groups=groups, num_tokens=offset)
+    exact = invariant or [False] * len(query_lens)
+    groups: list[AttnGroup] = []
+    for flag in (False, True):  # invariant sequences never share a group with fast ones
+        members = [i for i in range(len(query_lens)) if exact[i] == flag]
+        short = [i for i in members if query_lens[i] <= max_group_query]
+        made = [_group(short, query_lens, context_lens, starts, slot_tables, trees)] if short else []
+        made += [_group([i], query_lens, context_lens, starts, slot_tables, trees)
+                 for i in members if query_lens[i] > max_group_query]
+        for g in made:
+            g.invariant = flag
+        groups += made
+    return AttentionMetadata(slot_mapping=slot_mapping, groups=groups, num_tokens=offset, invariant=any(exact))
 
 
 def _group(
@@ -159,7 +172,7 @@ def paged_attention(
         kg = k_cache.index_select(0, flat).view(*g.kv_slots.shape, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
         vg = v_cache.index_select(0, flat).view(*g.kv_slots.shape, *v_cache.shape[1:]).transpose(1, 2)
         mask = g.mask_for_window(sliding_window)
-        if meta.invariant:
+        if g.invariant:
             og = invariant_attention(qg, kg, vg, mask, scale)
         elif qg.shape[2] <= SHORT_QUERY:
             og = _short_query_attention(qg, kg, vg, mask, scale)

@@ -16,7 +16,7 @@ from .config import REQUEST_DETERMINISTIC_MODES, EngineConfig
 from .control.acceptance import make_estimator
 from .control.controller import Candidate, GoodputController
 from .control.step_time import StepFeatures, StepSample
-from .determinism.exact import VERIFIED_MODES, ExactDecoding, PickedRows
+from .determinism.exact import COMPETITORS, ExactDecoding, PickedRows
 from .kv.block_manager import BlockManager
 from .kv.kv_cache import KVCache
 from .models.loader import LoadedModel, load_model, parse_dtype
@@ -91,7 +91,8 @@ class LLMEngine:
         self.verify_trace: list[tuple[str, int, int]] | None = None
         # positional sampling, llm42 replays and margin-gate re-checks for requests in a deterministic mode
         self.exact = ExactDecoding(self)
-        self._step_invariant = False  # this step runs on the invariant path (a verified-mode prefill is in it)
+        self._exact_ids: set[str] = set()  # requests this step computes on the invariant path
+        self.logit_trace: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] | None = None  # calibration only
         if self.spec_mode == "auto":
             self._ensure_controller(progress)
         if config.deterministic == "margin-gate":
@@ -256,9 +257,6 @@ class LLMEngine:
     # --- one step ------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        # llm42 windows that filled up (or would finish their request) are replayed before anything else: the
-        # step-time model below sees only the regular step
-        replayed = self.exact.replay_due() if self.exact.due else []
         start = time.perf_counter()
         speculating = self.proposer is not None and self.spec_mode != 0
         self._ngram_drafts = {}
@@ -268,19 +266,24 @@ class LLMEngine:
         if sched.is_empty:
             self.last_step = StepStats(0, 0, len(sched.preempted), proposed - start)
             self.last_sample = None
-            return replayed
+            return []
         learn = self.controller is not None and self.spec_mode == "auto"
         # only the controller and the profiler read step samples: plain serving does not build them
         features = self._features(sched, draft_tokens) if learn or self.sample_steps else None  # before _update
-        self._step_invariant = any(s.request.determinism in VERIFIED_MODES
-                                   and s.start < len(s.request.prompt_token_ids) for s in sched.scheduled)
-        model_out = self.runner.execute(sched, self._step_invariant)
+        self._exact_ids = {s.request.request_id for s in sched.scheduled if ExactDecoding.runs_exact(s.request, s.start)}
+        windows = 0
+        for s in sched.scheduled:  # held tokens are this step's drafts, checked on the invariant path
+            if s.request.check_tokens:
+                s.request.spec_token_ids = s.request.check_tokens[: s.num_spec_tokens] if s.samples else []
+                s.request.spec_draft_probs = None
+                windows += s.request.determinism == "llm42"
+        model_out = self.runner.execute(sched, self._exact_ids)
         forwarded = time.perf_counter()
-        outputs = replayed + self._update(sched, model_out)
+        outputs = self._update(sched, model_out)
         end = time.perf_counter()
         self.last_step = StepStats(len(sched.scheduled), sched.num_batched_tokens, len(sched.preempted), end - start)
         if self.exact.fixed_window is None:
-            self.exact.observe_step(end - start)
+            self.exact.observe_step(end - start, windows)
         self.last_sample = None
         if features is not None:
             # n-gram lookups are bookkeeping-sized: they count as overhead, not as a draft model
@@ -373,7 +376,7 @@ class LLMEngine:
     def _propose(self, sched: SchedulerOutput) -> int:
         """Fill each scheduled request's drafts; returns the tokens the draft model processed (0 for n-gram)."""
         assert self.proposer is not None
-        spec = [s for s in sched.scheduled if s.num_spec_tokens > 0]
+        spec = [s for s in sched.scheduled if s.num_spec_tokens > 0 and not s.request.check_tokens]
         for s in sched.scheduled:
             s.request.spec_token_ids = []
         if not spec:
@@ -392,20 +395,22 @@ class LLMEngine:
         return draft_tokens
 
     def _update(self, sched: SchedulerOutput, out: ModelOutput) -> list[RequestOutput]:
+        checking = {s.request.request_id for s in sched.scheduled if s.request.check_tokens}  # before _verify
         verified = self._verify(sched, out)
         outputs: list[RequestOutput] = []
         now = time.monotonic()
         for s in sched.scheduled:
             req = s.request
             result = verified.get(req.request_id)
-            num_drafts = len(req.spec_token_ids)
+            num_drafts = 0 if req.request_id in checking else len(req.spec_token_ids)  # held tokens are no drafts
             accepted = result[1] if result else 0
             decoding = s.samples and s.num_new_tokens == 1  # before appending: that moves the end
             if result:  # append first: committing hashes the accepted tokens into the prefix cache
                 try:
-                    if req.determinism == "llm42" and (req.unverified_token_ids or not self._step_invariant):
-                        self.exact.hold(req, [t for t, _ in result[0]])  # output once its window is replayed
-                    else:
+                    exact = req.request_id in self._exact_ids
+                    if req.determinism == "llm42" and (req.unverified_token_ids or not exact):
+                        self.exact.hold(req, [t for t, _ in result[0]])  # output once its window is checked
+                    elif result[0]:  # (margin-gate may hold back every token of this step)
                         outputs.append(self._append(req, result[0], now))
                 except Exception as exc:  # e.g. the tokenizer fails on this request's text: fail it alone
                     log.exception("request %s failed while appending tokens", req.request_id)
@@ -414,9 +419,10 @@ class LLMEngine:
                         outputs.append(failed)
                     req.spec_token_ids, req.spec_draft_probs = [], None
                     continue
-            if self._step_invariant and (s.start < len(req.prompt_token_ids) or s.start <= req.num_exact_kv):
+            if req.request_id in self._exact_ids and (s.start < len(req.prompt_token_ids) or s.start <= req.num_exact_kv):
                 req.num_exact_kv = s.start + s.num_new_tokens + accepted  # before commit: it reads this
             self.scheduler.commit(s, accepted)
+            self.exact.rewind(req)
             if decoding:
                 self.spec_stats.observe_choice(num_drafts)
             if self.proposer and num_drafts:
@@ -425,7 +431,7 @@ class LLMEngine:
                     self.verify_trace.append((req.request_id, num_drafts, accepted))
                 if not req.is_finished:
                     self.proposer.on_verified(req, accepted)
-            if self.controller is not None and self.spec_mode == "auto" and result:
+            if self.controller is not None and self.spec_mode == "auto" and result and req.request_id not in checking:
                 self._observe_acceptance(req, num_drafts, accepted, result[0])
             req.spec_token_ids, req.spec_draft_probs = [], None
         return outputs
@@ -458,13 +464,14 @@ class LLMEngine:
             if out.row_start[i] < 0:
                 continue
             if s.request.determinism:
-                exact.append(PickedRows(s.request, out.row_start[i], out.num_rows[i], s.start + s.num_new_tokens))
+                invariant = self.runner.batch_invariant or s.request.request_id in self._exact_ids
+                exact.append(PickedRows(s.request, out.row_start[i], out.num_rows[i], s.start + s.num_new_tokens,
+                                        invariant))
             else:
                 picked.append((s.request, out.row_start[i], out.num_rows[i]))
         result = self._verify_sampled(picked, out.logits) if picked else {}
         if exact:
-            invariant = self._step_invariant or self.runner.batch_invariant
-            result.update(self.exact.verify(exact, out.logits, invariant))
+            result.update(self.exact.verify(exact, out.logits))
         return result
 
     def _verify_sampled(self, picked: list[tuple[Request, int, int]], all_logits: torch.Tensor
@@ -493,6 +500,10 @@ class LLMEngine:
                             [None if r.spec_draft_probs is None else r.spec_draft_probs[: n - 1] for r, _, n in picked],
                             [r.generator for r in reqs])
             emitted, accepted = result.tokens, result.num_accepted
+        if self.logit_trace is not None:  # calibration: each request's top scores at the token it sampled
+            for r, row, n in picked:
+                top = logits[row + n - 1].float().topk(COMPETITORS + 1)
+                self.logit_trace.setdefault(r.request_id, []).append((top.indices, top.values))
         row_reqs = [r for r, toks in zip(reqs, emitted) for _ in toks]
         logprobs: list[dict[int, Logprob] | None] = [None] * len(row_reqs)
         if any(r.params.logprobs is not None for r in reqs):
@@ -539,10 +550,13 @@ class LLMEngine:
             if lp is not None and req.logprobs is not None:
                 req.logprobs.append(lp)
                 req.cumulative_logprob += lp[tok].logprob
-            if self._check_stop_token(req, tok):
+            self._check_stop_token(req, tok)
+            if req.params.stop:  # token by token, so no token after a stop string is kept (speculative == plain)
+                self._check_stop_strings(req, req.detokenizer.add(self._text_ids(req, [tok])))
+            if req.is_finished:
                 break
-        delta = req.detokenizer.add(self._text_ids(req, added))
-        self._check_stop_strings(req, delta)
+        if not req.params.stop:
+            req.detokenizer.add(self._text_ids(req, added))
         if req.is_finished:
             self._release(req)
         return self._output(req, added)

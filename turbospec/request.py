@@ -52,7 +52,9 @@ class Request:
     # llm42: tokens decoded on the fast path and not yet replayed by the invariant verifier. They are part of
     # the sequence the model sees, but not of the output: no text, log-probs or stop checks until verified.
     unverified_token_ids: list[int] = field(default_factory=list)
-    # margin-gate: leading positions whose KV the invariant path computed (prefill, and each re-check's replay)
+    # llm42 / margin-gate: held tokens that the next step checks on the invariant path, fed as its drafts
+    check_tokens: list[int] = field(default_factory=list)
+    # margin-gate: leading positions whose KV the invariant path computed (prefill, and each check)
     num_exact_kv: int = 0
     # Draft tokens proposed for this request, verified by the next step (speculative decoding).
     spec_token_ids: list[int] = field(default_factory=list)
@@ -69,7 +71,7 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         """Output tokens generated so far, verified or not (what max_tokens counts)."""
-        return len(self.output_token_ids) + len(self.unverified_token_ids)
+        return len(self.output_token_ids) + len(self.unverified_token_ids) + len(self.check_tokens)
 
     @property
     def num_cacheable_tokens(self) -> int:

@@ -40,20 +40,22 @@ class ModelRunner:
         table = torch.tensor(self.blocks.block_table(request_id), dtype=torch.long)
         return (table[:, None] * self.kv.block_size + self._offsets).reshape(-1)[:length]
 
-    def execute(self, sched: SchedulerOutput, invariant: bool = False) -> ModelOutput:
-        """One forward over everything scheduled: chunks, decodes, and known tokens followed by drafts.
-        invariant=True runs this step on the batch-invariant path even when the runner is not in that mode."""
+    def execute(self, sched: SchedulerOutput, exact: set[str] = frozenset()) -> ModelOutput:
+        """One forward over everything scheduled: chunks, decodes, and known tokens followed by drafts. Requests
+        in `exact` are computed on the batch-invariant path even when the runner is not in that mode."""
         items = []
         for s in sched.scheduled:
             req = s.request
             drafts = req.spec_token_ids[: s.num_spec_tokens] if s.samples else []
             tokens = req.all_token_ids[s.start: s.start + s.num_new_tokens] + drafts
-            items.append(SeqInput(req.request_id, tokens, s.start, 1 + len(drafts) if s.samples else 0))
-        return self.run(items, invariant)
+            items.append(SeqInput(req.request_id, tokens, s.start, 1 + len(drafts) if s.samples else 0,
+                                  req.request_id in exact))
+        return self.run(items)
 
     @torch.inference_mode()
     def run(self, items: list[SeqInput], invariant: bool = False) -> ModelOutput:
-        """Compute items' tokens (each continuing its sequence at `start`) and return their last rows."""
+        """Compute items' tokens (each continuing its sequence at `start`) and return their last rows.
+        invariant=True computes every item on the batch-invariant path, as does the runner's own mode."""
         invariant = invariant or self.batch_invariant
         ids: list[int] = []
         positions: list[int] = []
@@ -74,15 +76,14 @@ class ModelRunner:
             row_start.append(len(sample_rows) if item.num_rows else -1)
             num_rows.append(item.num_rows)
             sample_rows += range(base + len(item.tokens) - item.num_rows, base + len(item.tokens))
-        meta = build_metadata(query_lens, context_lens, tables)
-        meta.invariant = invariant
+        meta = build_metadata(query_lens, context_lens, tables, invariant=[invariant or it.invariant for it in items])
         meta.compute_dtype = self.compute_dtype
         meta = meta.to(self.device) if self.device.type != "cpu" else meta
         hidden = self.model(
             torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta, self.kv.layers
         )
         hidden = hidden[torch.tensor(sample_rows, device=self.device, dtype=torch.long)]
-        return ModelOutput(self.model.compute_logits(hidden, invariant), hidden, row_start, num_rows)
+        return ModelOutput(self.model.compute_logits(hidden, meta.invariant), hidden, row_start, num_rows)
 
 
 @dataclass
@@ -91,3 +92,4 @@ class SeqInput:
     tokens: list[int]  # computed this pass, at positions start .. start + len - 1
     start: int
     num_rows: int  # how many of the last tokens' logits to return (0: none)
+    invariant: bool = False  # computed on the batch-invariant path

@@ -91,7 +91,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            k = min(spec.get(req.request_id, 0), budget - num_new, self.max_model_len - req.num_tokens)
+            # held tokens of a deterministic request are checked as drafts (determinism/exact.py)
+            want = max(spec.get(req.request_id, 0), len(req.check_tokens))
+            k = min(want, budget - num_new, self.max_model_len - req.num_tokens)
             k = max(k, 0) if num_new + req.num_computed_tokens >= req.num_tokens else 0
             needed = req.num_computed_tokens + num_new + k - self.blocks.num_slots(req.request_id)
             while needed > 0 and not self.blocks.can_append(req.request_id, needed):

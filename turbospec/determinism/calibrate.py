@@ -1,11 +1,12 @@
 """Calibrate margin-gate's threshold (``turbospec calibrate-margin``), cached per model like the step-time profile.
 
-A fast-path token can only differ from the invariant path's token if some other token's score gap to it moves
-by more than the token's margin. The calibration measures how far the scores move: it decodes held-out
-prompts in batches of mixed sizes with every token re-checked on the invariant path, while keeping the fast
-path's KV (as margin-gate does between triggers), and records per token the fast margin, the drift bound
-(twice the largest score change) and whether the token flipped. The threshold is ``safety`` times the largest
-drift seen, so every flip seen had a margin below it.
+A fast-path token can only differ from the exact path's token if some competitor's score gap to it moves by
+more than the token's margin. The calibration measures how far the gaps move: it decodes held-out prompts on
+the fast path in batches of mixed sizes (recording each step's top scores), then recomputes every one of those
+positions on the exact path (one invariant pass over the prompt and the fast output: exact KV, the same
+tokens) and records per token the fast margin, the gap drift (the largest change of the gap between the top
+token and its COMPETITORS nearest rivals) and whether the exact path picks another token. The threshold is
+``safety`` times the largest drift seen, so every flip seen had a margin below it.
 
 The prompts are ShareGPT conversations from ``CALIBRATION_SKIP`` onwards: the benchmarks and tests use the
 first few hundred, so calibration and evaluation never share a prompt.
@@ -14,7 +15,6 @@ first few hundred, so calibration and evaluation never share a prompt.
 from __future__ import annotations
 
 import json
-import math
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from ..control.profiler import profile_key, profile_path
 from ..sampling_params import SamplingParams
+from .exact import gap_drift
 
 if TYPE_CHECKING:
     from ..engine import LLMEngine
@@ -86,14 +87,14 @@ def calibrate(engine: LLMEngine, num_prompts: int = 16, max_tokens: int = 64, sa
     """Measure drift on a private engine that shares `engine`'s weights, and return (not save) the result."""
     from ..config import EngineConfig
     from ..engine import LLMEngine
+    from ..runner import SeqInput
 
     c = engine.config
     config = EngineConfig(c.model, dtype=c.dtype, num_threads=c.num_threads, device=c.device, seed=c.seed,
                           max_model_len=min(engine.max_model_len, 2048), max_num_seqs=max(BATCH_SIZES),
-                          kv_cache_memory_gib=0.5, deterministic="margin-gate", margin_threshold=math.inf)
+                          kv_cache_memory_gib=0.5, enable_prefix_caching=False)
     private = LLMEngine(config, loaded=engine.loaded, progress=False)
-    private.exact.calibrating = True
-    log = private.exact.stats.recheck_log = []
+    private.logit_trace = {}
     texts, source = calibration_prompts(num_prompts)
     tok = private.tokenizer
     ids = [tok.apply_chat_template([{"role": "user", "content": t}]) if getattr(tok, "has_chat_template", False)
@@ -102,14 +103,25 @@ def calibrate(engine: LLMEngine, num_prompts: int = 16, max_tokens: int = 64, sa
     rng = random.Random(seed)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     order = list(range(len(ids)))
+    log: list[tuple[float, float, bool]] = []  # (fast margin, gap drift, flipped) per token
     bar = tqdm(total=len(ids), desc="calibrating margin-gate", unit="prompt", disable=not progress)
     while order:
         size = min(rng.choice(BATCH_SIZES), len(order))
         batch, order = order[:size], order[size:]
+        finished = {}
         for i in batch:
-            private.add_request(ids[i], params)
+            private.add_request(ids[i], params, request_id=f"calibrate-{i}")
         while private.has_unfinished_requests():
-            private.step()
+            finished.update({o.request_id: o for o in private.step() if o.finished})
+        for rid, out in finished.items():
+            tokens = out.prompt_token_ids + out.outputs[0].token_ids
+            n = len(out.outputs[0].token_ids)
+            private.blocks.allocate("exact", tokens, len(tokens) - 1)
+            exact = private.runner.run([SeqInput("exact", tokens[:-1], 0, n, invariant=True)]).logits
+            private.blocks.free("exact")
+            for (top_ids, top_scores), row in zip(private.logit_trace.pop(rid), exact):
+                log.append(((top_scores[0] - top_scores[1]).item(), gap_drift(top_ids, top_scores, row),
+                            int(row.argmax()) != int(top_ids[0])))
         bar.update(len(batch))
     bar.close()
     drifts = sorted(d for _, d, _ in log) or [0.0]
