@@ -95,6 +95,13 @@ def test_models_lists_the_registry() -> None:
         pytest.param(generate_args("--top-k", "-2"), ["top_k", "-2"], id="top-k-neg2"),
         pytest.param(generate_args("--dtype", "int7"), ["int7", "float32"], id="dtype-int7"),
         pytest.param(["pull", "nonexistent-model"], ["nonexistent-model", "smollm2-135m"], id="pull-unknown"),
+        pytest.param(["calibrate-margin", "--model", "smollm2-135m", "--safety", "0.5"], ["--safety", "0.5"],
+                     id="calibrate-safety-below-1"),
+        pytest.param(["calibrate-margin", "--model", "smollm2-135m", "--num-prompts", "0"], ["--num-prompts"],
+                     id="calibrate-no-prompts"),
+        pytest.param(generate_args("--verify-window", "0"), ["verify_window", "0"], id="verify-window-0"),
+        pytest.param(generate_args("--margin-threshold", "-1"), ["margin_threshold", "-1"],
+                     id="margin-threshold-negative"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args: list[str], needles: list[str]) -> None:

@@ -89,7 +89,7 @@ class LLMEngine:
         # (request id, drafts verified, drafts accepted) per verification, when set to a list: the traces that
         # benchmarks/acceptance_estimators.py replays to choose the acceptance estimator
         self.verify_trace: list[tuple[str, int, int]] | None = None
-        # positional sampling, llm42 replays and margin-gate re-checks for requests in a deterministic mode
+        # positional sampling, llm42 windows and margin-gate checks for requests in a deterministic mode
         self.exact = ExactDecoding(self)
         self._exact_ids: set[str] = set()  # requests this step computes on the invariant path
         self.logit_trace: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] | None = None  # calibration only
@@ -245,7 +245,7 @@ class LLMEngine:
         return out
 
     def determinism_stats(self) -> dict[str, float | int]:
-        """Verified-mode counters: margin-gate re-checks (trigger rate) and flips, llm42 replays and rollbacks."""
+        """Verified-mode counters: margin-gate checks (trigger rate) and flips, llm42 windows and rollbacks."""
         return self.exact.stats.as_dict()
 
     def reset_spec_stats(self) -> None:
@@ -267,9 +267,6 @@ class LLMEngine:
             self.last_step = StepStats(0, 0, len(sched.preempted), proposed - start)
             self.last_sample = None
             return []
-        learn = self.controller is not None and self.spec_mode == "auto"
-        # only the controller and the profiler read step samples: plain serving does not build them
-        features = self._features(sched, draft_tokens) if learn or self.sample_steps else None  # before _update
         self._exact_ids = {s.request.request_id for s in sched.scheduled if ExactDecoding.runs_exact(s.request, s.start)}
         windows = 0
         for s in sched.scheduled:  # held tokens are this step's drafts, checked on the invariant path
@@ -277,6 +274,9 @@ class LLMEngine:
                 s.request.spec_token_ids = s.request.check_tokens[: s.num_spec_tokens] if s.samples else []
                 s.request.spec_draft_probs = None
                 windows += s.request.determinism == "llm42"
+        learn = self.controller is not None and self.spec_mode == "auto"
+        # only the controller and the profiler read step samples: plain serving does not build them
+        features = self._features(sched, draft_tokens) if learn or self.sample_steps else None  # before _update
         model_out = self.runner.execute(sched, self._exact_ids)
         forwarded = time.perf_counter()
         outputs = self._update(sched, model_out)
