@@ -150,10 +150,7 @@ class Scheduler:
         if req.is_finished:
             return
         self.blocks.truncate(req.request_id, req.num_computed_tokens)
-        self.commit_prefix(req)
-
-    def commit_prefix(self, req: Request) -> None:
-        """Offer the request's shareable KV to the prefix cache (Request.num_cacheable_tokens)."""
-        # a prefix-cache hit may already cover more than this request may share itself
+        # only shareable KV enters the prefix cache (Request.num_cacheable_tokens); a prefix-cache hit may
+        # already cover more than this request may share itself
         cacheable = max(req.num_cacheable_tokens, self.blocks.num_committed(req.request_id))
         self.blocks.commit(req.request_id, req.all_token_ids[:cacheable])
