@@ -10,7 +10,7 @@ from .sampling_params import SamplingParams
 if TYPE_CHECKING:
     from .llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
-from collections.abc import Sequence
 
 from .config import DETERMINISTIC_MODES
 from .models import registry

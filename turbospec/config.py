@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from .control.acceptance import DEFAULT_ESTIMATOR, ESTIMATORS
+from .spec.policies import LOSSLESS_POLICIES, TYPICAL_DELTA, TYPICAL_EPSILON, check_policy
 
 DTYPE_NAMES = ("bfloat16", "bf16", "float32", "fp32", "float16", "fp16")
 DETERMINISTIC_MODES = ("batch-invariant", "llm42", "margin-gate", "layercast")
@@ -68,6 +69,10 @@ class EngineConfig:
         m = self.margin_threshold
         if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not m >= 0):
             raise ValueError(f"margin_threshold must be a number >= 0 (nats) or None (calibrated), got {m!r}")
+        spec = self.speculative_config
+        if self.deterministic and spec is not None and spec.acceptance not in LOSSLESS_POLICIES:
+            raise ValueError(f"acceptance {spec.acceptance!r} is lossy: it cannot be combined with deterministic="
+                             f"{self.deterministic!r}, whose output must be the model's own (use 'exact')")
         if self.deterministic == "layercast" and self.dtype not in ("bfloat16", "bf16"):
             raise ValueError(f"layercast keeps bfloat16 weights and computes in float32: it needs dtype bfloat16, "
                              f"got {self.dtype!r}")
@@ -100,6 +105,12 @@ class SpeculativeConfig:
     # For studies only: accept each draft token with this fixed probability whatever it is (TurboSpec's
     # microbenchmarks). Outputs are then NOT the model's; step costs and the controller's choices are real.
     synthetic_acceptance: float | None = None
+    # which drafts are kept: "exact" (lossless rejection sampling, the default), or a policy of
+    # spec/acceptance.py. "typical", "adasd" and "adasd-verification" are LOSSY: output is no longer the
+    # target's own. A request may pick another policy (LLMEngine.add_request(acceptance=), HTTP "acceptance").
+    acceptance: str = "exact"
+    typical_epsilon: float = TYPICAL_EPSILON  # typical acceptance: p(x) > min(epsilon, delta * exp(-H(p)))
+    typical_delta: float = TYPICAL_DELTA
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -113,6 +124,11 @@ class SpeculativeConfig:
         a = self.synthetic_acceptance
         if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0):
             raise ValueError(f"synthetic_acceptance must be a number in [0, 1] or null, got {a!r}")
+        check_policy(self.acceptance, self.method)
+        for name in ("typical_epsilon", "typical_delta"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
+                raise ValueError(f"{name} must be a number in (0, 1], got {v!r}")
         if self.method == "draft" and not self.model:
             raise ValueError("speculative method 'draft' needs a draft model: add \"model\": \"<name or path>\"")
         if self.method == "ngram":

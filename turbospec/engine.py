@@ -27,8 +27,10 @@ from .runner import ModelOutput, ModelRunner
 from .sampler import SamplingBatch, compute_logprobs, fold_seed, make_generator, processed_probs, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
+from .spec.acceptance import AdaptiveThresholds, relax_drafts
 from .spec.factory import build_proposer
 from .spec.ngram import NgramProposer
+from .spec.policies import DRAFT_DISTRIBUTION_POLICIES, LOSSLESS_POLICIES, RELAXES_JS, STOPS_DRAFTING, check_policy
 from .spec.stats import SpecDecodingStats
 from .spec.verifier import synthetic_verify, verify
 
@@ -74,6 +76,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.last_step: StepStats | None = None
         self.spec = config.speculative_config
+        self.adaptive_thresholds = AdaptiveThresholds.fresh()  # AdaSD's, shared by the draft proposer
         self.proposer = build_proposer(self.spec, self, progress) if self.spec else None
         self.spec_stats = SpecDecodingStats()
         # 0 (off), a fixed k, or "auto" (the goodput controller); switchable at run time by set_speculation
@@ -117,15 +120,18 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     prompt_token_ids: list[int] | None = None, *, speculate: bool = True,
-                    arrival_time: float | None = None, deterministic: str | None = None) -> str:
+                    arrival_time: float | None = None, deterministic: str | None = None,
+                    acceptance: str | None = None) -> str:
         """Validate and queue one request (one completion; n > 1 is fanned out by the caller).
 
         speculate=False keeps this request at k = 0 whatever the policy; arrival_time (time.monotonic) lets a
         server count the time a request spent before it reached the engine; deterministic asks for a
-        deterministic mode for this request only (see request_determinism)."""
+        deterministic mode for this request only (see request_determinism); acceptance picks this request's
+        acceptance policy (see request_acceptance)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         determinism = self.request_determinism(deterministic)
+        policy = self.request_acceptance(acceptance, determinism)
         text = prompt if isinstance(prompt, str) else None
         if prompt_token_ids is None:
             if isinstance(prompt, str):
@@ -145,6 +151,7 @@ class LLMEngine:
             eos_token_ids=() if params.ignore_eos else self.tokenizer.eos_token_ids,
             logprobs=[] if params.logprobs is not None else None, speculate=speculate, determinism=determinism,
             noise_seed=fold_seed(params.seed) if params.seed is not None else int(torch.randint(2**31, ())),
+            acceptance=policy,
         )
         if arrival_time is not None:
             req.arrival_time = arrival_time
@@ -194,6 +201,20 @@ class LLMEngine:
                                  "calibrate-margin --model ...` or start the server with --margin-threshold")
         return value
 
+    def request_acceptance(self, value: str | None, determinism: str | None = None) -> str:
+        """The acceptance policy a request runs with: the engine's (speculative_config "acceptance"), or one it
+        asks for. Lossy policies need speculation and cannot be combined with a deterministic mode."""
+        if value is None:
+            return self.spec.acceptance if self.spec and not determinism else "exact"
+        if value != "exact" and self.spec is None:
+            raise ValueError(f"acceptance {value!r} needs speculative decoding, which this engine does not run "
+                             f"(only 'exact' is accepted here)")
+        check_policy(value, self.spec.method if self.spec else None)
+        if determinism and value not in LOSSLESS_POLICIES:
+            raise ValueError(f"acceptance {value!r} is lossy and this request is deterministic ({determinism}): "
+                             f"its output must be the model's own")
+        return value
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.requests.pop(request_id, None)
         if req is None or req.is_finished:
@@ -240,6 +261,9 @@ class LLMEngine:
     def spec_stats_dict(self) -> dict[str, object]:
         out: dict[str, object] = self.spec_stats.as_dict()
         out["policy"] = self.spec_mode
+        if self.spec is not None:
+            out["acceptance"] = self.spec.acceptance
+            out["adaptive_thresholds"] = self.adaptive_thresholds.as_dict()
         if self.controller is not None:
             out["controller"] = self.controller.stats.as_dict()
         return out
@@ -392,6 +416,7 @@ class LLMEngine:
         for s, d in zip(spec, drafts):
             s.request.spec_token_ids = d.tokens
             s.request.spec_draft_probs = d.probs
+            s.request.spec_draft_soft, s.request.spec_draft_entropy = d.soft_probs, d.entropies or []
         return draft_tokens
 
     def _update(self, sched: SchedulerOutput, out: ModelOutput) -> list[RequestOutput]:
@@ -433,7 +458,7 @@ class LLMEngine:
                     self.proposer.on_verified(req, accepted)
             if self.controller is not None and self.spec_mode == "auto" and result and req.request_id not in checking:
                 self._observe_acceptance(req, num_drafts, accepted, result[0])
-            req.spec_token_ids, req.spec_draft_probs = [], None
+            req.spec_token_ids, req.spec_draft_probs, req.spec_draft_soft = [], None, None
         return outputs
 
     def _observe_acceptance(self, req: Request, num_drafts: int, accepted: int,
@@ -496,10 +521,15 @@ class LLMEngine:
                                                  [r.spec_token_ids[: n - 1] for r, _, n in picked],
                                                  self.synthetic_acceptance, self._synthetic_rng)
         else:
-            result = verify(probs, [row for _, row, _ in picked], [r.spec_token_ids[: n - 1] for r, _, n in picked],
+            drafts = [r.spec_token_ids[: n - 1] for r, _, n in picked]
+            starts = [row for _, row, _ in picked]
+            relaxed, distances = self._relaxation(picked, drafts, logits, probs)
+            result = verify(probs, starts, drafts,
                             [None if r.spec_draft_probs is None else r.spec_draft_probs[: n - 1] for r, _, n in picked],
-                            [r.generator for r in reqs])
+                            [r.generator for r in reqs], relaxed)
             emitted, accepted = result.tokens, result.num_accepted
+            if relaxed is not None or any(r.acceptance in DRAFT_DISTRIBUTION_POLICIES for r in reqs):
+                self._observe_relaxation(reqs, drafts, accepted, result.exact_accepted, distances)
         if self.logit_trace is not None:  # calibration: each request's top scores at the token it sampled
             for r, row, n in picked:
                 top = logits[row + n - 1].float().topk(COMPETITORS + 1)
@@ -517,6 +547,38 @@ class LLMEngine:
             result_map[req.request_id] = (list(zip(toks, logprobs[pos: pos + len(toks)])), acc)
             pos += len(toks)
         return result_map
+
+    def _relaxation(self, picked: list[tuple[Request, int, int]], drafts: list[list[int]], logits: torch.Tensor,
+                    probs: torch.Tensor) -> tuple[torch.Tensor | None, list[float]]:
+        """Positions lossy acceptance policies keep whatever the exact rule says (spec/acceptance.py), or None
+        when no request of this step uses one."""
+        policies = [r.acceptance for r, _, _ in picked]
+        if all(p in LOSSLESS_POLICIES for p, d in zip(policies, drafts) if d):
+            return None, []
+        greedy = torch.tensor([r.generator is None for r, _, n in picked for _ in range(n)], device=logits.device)
+        criterion = torch.where(greedy.unsqueeze(1), logits.float().softmax(dim=-1), probs)
+        assert self.spec is not None
+        return relax_drafts(policies, [row for _, row, _ in picked], drafts, criterion,
+                            [r.spec_draft_soft for r, _, _ in picked], self.adaptive_thresholds,
+                            self.spec.typical_epsilon, self.spec.typical_delta)
+
+    def _observe_relaxation(self, reqs: list[Request], drafts: list[list[int]], accepted: list[int],
+                            exact: list[bool], distances: list[float]) -> None:
+        """Count relaxed tokens and feed AdaSD's thresholds from the positions verification reached."""
+        pos = 0
+        for req, toks, n_acc in zip(reqs, drafts, accepted):
+            k = len(toks)
+            reached = min(n_acc + 1, k)  # accepted drafts, plus the first rejected one
+            flags = exact[pos: pos + k]
+            relaxed = sum(1 for ok in flags[:n_acc] if not ok)
+            req.relaxed_tokens += relaxed
+            self.spec_stats.num_relaxed_tokens += relaxed
+            if req.acceptance in RELAXES_JS:
+                self.adaptive_thresholds.observe_verification(distances[pos: pos + reached], flags[:reached])
+            if req.acceptance in STOPS_DRAFTING and req.spec_draft_entropy:
+                self.adaptive_thresholds.observe_generation(req.spec_draft_entropy[:reached],
+                                                            [j < n_acc for j in range(reached)])
+            pos += k
 
     @staticmethod
     def _logprobs(reqs: list[Request], logits: torch.Tensor, tokens: torch.Tensor) -> list[dict[int, Logprob] | None]:
@@ -623,4 +685,4 @@ class LLMEngine:
                                  time.monotonic() if req.is_finished else None, req.num_cached_tokens,
                                  req.num_preemptions, req.first_scheduled_time)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.is_finished,
-                             metrics, delta, added)
+                             metrics, delta, added, acceptance=req.acceptance, relaxed_tokens=req.relaxed_tokens)

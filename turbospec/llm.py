@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
-from collections.abc import Sequence
 
 from tqdm import tqdm
 
@@ -108,7 +108,8 @@ def _merge(parts: list[RequestOutput]) -> RequestOutput:
         c = part.outputs[0]
         c.index = j
         outs.append(c)
-    return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, outs, True, first.metrics)
+    return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, outs, True, first.metrics,
+                         acceptance=first.acceptance, relaxed_tokens=sum(p.relaxed_tokens for p in parts))
 
 
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

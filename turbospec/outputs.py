@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .spec.policies import LOSSLESS_POLICIES
+
 
 @dataclass
 class Logprob:
@@ -50,3 +52,11 @@ class RequestOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     error: str | None = None
+    # The acceptance policy the request ran with (spec/policies.py) and the draft tokens it kept only because
+    # that policy relaxed the exact rule. Anything but "exact" / "adasd-generation" is lossy.
+    acceptance: str = "exact"
+    relaxed_tokens: int = 0
+
+    @property
+    def lossless(self) -> bool:
+        return self.acceptance in LOSSLESS_POLICIES

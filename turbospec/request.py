@@ -59,6 +59,13 @@ class Request:
     # Draft tokens proposed for this request, verified by the next step (speculative decoding).
     spec_token_ids: list[int] = field(default_factory=list)
     spec_draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), V] when the drafts were sampled
+    # Acceptance policy (spec/policies.py): "exact" (lossless) unless the request or the engine asks for another.
+    acceptance: str = "exact"
+    # The draft model's distribution at each draft position for the policies that read it (the untempered
+    # softmax for greedy requests, else spec_draft_probs' rows) and its entropy in nats
+    spec_draft_soft: torch.Tensor | None = None
+    spec_draft_entropy: list[float] = field(default_factory=list)
+    relaxed_tokens: int = 0  # draft tokens kept only because a lossy policy relaxed the exact rule
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from .kv.block_manager import BlockManager
 from .request import Request, RequestStatus

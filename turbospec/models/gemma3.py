@@ -43,7 +43,7 @@ class GemmaAttention(nn.Module):
 class GemmaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: Rotary, window: int | None) -> None:
         super().__init__()
-        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)  # noqa: E731
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
         self.input_norm, self.post_attn_norm = norm(), norm()
         self.pre_ffn_norm, self.post_ffn_norm = norm(), norm()
         self.attn = GemmaAttention(cfg, rotary, window)

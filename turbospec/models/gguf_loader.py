@@ -8,9 +8,9 @@ Hugging Face one, whatever the source.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from collections.abc import Iterator
 
 import numpy as np
 import torch

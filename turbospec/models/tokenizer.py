@@ -3,10 +3,10 @@ tokenizer for dummy-weight models. Also incremental detokenisation for streaming
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
-from collections.abc import Sequence
 
 
 class Tokenizer(Protocol):

@@ -7,6 +7,8 @@ token but the last. After verification, only the accepted drafts keep their KV, 
 - after a partial acceptance, the next step feeds just the correction token;
 - after a full acceptance, the draft never saw its last token, so the next step feeds two tokens: that last
   draft and the bonus (TurboSpec Fig. 8).
+When AdaSD's entropy rule stops a request's draft early, the token that tripped it is dropped but the draft
+tokens before it were all fed, so its KV covers every kept draft.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from ..models.tokenizer import Tokenizer
 from ..request import Request
 from ..runner import ModelRunner, SeqInput
 from ..sampler import SamplingBatch, processed_probs, sample
+from .acceptance import AdaptiveThresholds, entropy
+from .policies import DRAFT_DISTRIBUTION_POLICIES, STOPS_DRAFTING
 from .proposer import Draft, Proposer
 
 _PROBE = "def greet(name):\n    return f'Hello, {name}!'  # naïve café ✓ 12345"
@@ -44,8 +48,9 @@ class _Pending:
 
 class DraftModelProposer(Proposer):
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: str) -> None:
+                 device: str, thresholds: AdaptiveThresholds | None = None) -> None:
         self.model = loaded
+        self.thresholds = thresholds or AdaptiveThresholds.fresh()  # AdaSD's, shared with the engine
         self.kv = KVCache.allocate(loaded.config, num_blocks, block_size, dtype, device)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(loaded.model, self.kv, self.blocks, device)
@@ -72,12 +77,18 @@ class DraftModelProposer(Proposer):
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Draft]:
         drafts = [Draft([]) for _ in requests]
         active = [i for i, (r, k) in enumerate(zip(requests, num_tokens)) if k > 0 and self._reserve(r, k)]
+        limit = list(num_tokens)  # an AdaSD stop lowers a request's limit to the drafts it keeps
+        steps_run = dict.fromkeys(active, 0)
         q_rows: dict[int, list[torch.Tensor]] = {i: [] for i in active}
+        soft_rows: dict[int, list[torch.Tensor]] = {i: [] for i in active}
         for step in range(max((num_tokens[i] for i in active), default=0)):
-            live = [i for i in active if num_tokens[i] > step]
+            live = [i for i in active if limit[i] > step]
+            if not live:
+                break
             items = []
             for i in live:
                 req = requests[i]
+                steps_run[i] += 1
                 if step == 0:  # catch up on everything the draft has not seen (usually 1 or 2 tokens)
                     have = self.computed[req.request_id]
                     items.append(SeqInput(req.request_id, req.all_token_ids[have:], have, 1))
@@ -88,17 +99,39 @@ class DraftModelProposer(Proposer):
             batch = SamplingBatch.build([r.params for r in reqs], [r.generator for r in reqs], logits.shape[-1],
                                         device=logits.device)
             probs = processed_probs(logits, batch)
+            soft, ent = self._soft(reqs, logits, probs)
             for row, (i, tok) in enumerate(zip(live, sample(probs, batch).tolist())):
+                req = requests[i]
+                if soft is not None and req.acceptance in DRAFT_DISTRIBUTION_POLICIES:
+                    # AdaSD's generation rule: stop where the draft itself is unsure (this token is dropped)
+                    if req.acceptance in STOPS_DRAFTING and ent[row] > self.thresholds.entropy_threshold:
+                        limit[i] = step
+                        continue
+                    soft_rows[i].append(soft[row])
+                    drafts[i].entropies = (drafts[i].entropies or []) + [ent[row]]
                 drafts[i].tokens.append(tok)
-                if requests[i].generator is not None:
+                if req.generator is not None:
                     q_rows[i].append(probs[row])
         for i in active:
             req = requests[i]
-            self.computed[req.request_id] = req.num_tokens + num_tokens[i] - 1
-            self.pending[req.request_id] = _Pending(req.num_tokens, num_tokens[i])
+            fed = steps_run[i] - 1  # draft tokens run through the draft model (every step feeds the one before)
+            self.computed[req.request_id] = req.num_tokens + fed
+            self.pending[req.request_id] = _Pending(req.num_tokens, fed + 1)
             if q_rows[i]:
                 drafts[i].probs = torch.stack(q_rows[i])
+            if soft_rows[i]:
+                drafts[i].soft_probs = torch.stack(soft_rows[i])
         return drafts
+
+    def _soft(self, reqs: list[Request], logits: torch.Tensor, probs: torch.Tensor
+              ) -> tuple[torch.Tensor | None, list[float]]:
+        """The distribution AdaSD reads per row (untempered softmax for greedy rows) and its entropy, or None
+        when no request of this step uses a policy that reads it."""
+        if not any(r.acceptance in DRAFT_DISTRIBUTION_POLICIES for r in reqs):
+            return None, []
+        greedy = torch.tensor([r.generator is None for r in reqs], device=logits.device).unsqueeze(1)
+        soft = torch.where(greedy, logits.float().softmax(dim=-1), probs)
+        return soft, entropy(soft).tolist()
 
     def catch_up_tokens(self, request: Request) -> int:
         return request.num_tokens - self.computed.get(request.request_id, 0)

@@ -24,4 +24,4 @@ def build_proposer(spec: SpeculativeConfig, engine: LLMEngine, progress: bool = 
         raise ValueError(f"draft model {spec.model!r} has {draft.config.vocab_size} embedding rows, the target "
                          f"{engine.model_config.vocab_size}: their logits cannot be compared")
     return DraftModelProposer(draft, engine.kv.num_blocks, engine.config.block_size, engine.dtype,
-                              engine.config.device)
+                              engine.config.device, engine.adaptive_thresholds)

@@ -16,6 +16,10 @@ class Draft:
     # [len(tokens), V]: the distribution each token was sampled from. None for deterministic proposers
     # (n-gram lookup, or greedy drafting): the verifier then treats q as one-hot at the token.
     probs: torch.Tensor | None = None
+    # For acceptance policies that read the draft's distribution (spec/acceptance.py): [len(tokens), V] rows
+    # (untempered softmax for greedy requests) and their entropies in nats. None when no policy asked.
+    soft_probs: torch.Tensor | None = None
+    entropies: list[float] | None = None
 
 
 class Proposer(ABC):

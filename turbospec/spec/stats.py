@@ -15,6 +15,8 @@ class SpecDecodingStats:
     num_draft_tokens_per_pos: list[int] = field(default_factory=list)
     # how often each draft length was verified, over every decoding request-step (k = 0 included)
     k_histogram: list[int] = field(default_factory=list)
+    # draft tokens kept only because a lossy acceptance policy relaxed the exact rule (spec/acceptance.py)
+    num_relaxed_tokens: int = 0
 
     def observe_choice(self, k: int) -> None:
         if k >= len(self.k_histogram):

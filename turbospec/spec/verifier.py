@@ -26,7 +26,7 @@ depend on its batch-mates or its row position.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -43,6 +43,8 @@ class VerifyOutput:
 
     tokens: list[list[int]]  # per request: accepted drafts + one correction/bonus token
     num_accepted: list[int]  # per request: accepted draft tokens (0..k_i)
+    # per draft position of every request, flat: what the exact (lossless) rule decided, before any relaxation
+    exact_accepted: list[bool] = field(default_factory=list)
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -79,6 +81,7 @@ def verify(
     draft_tokens: list[list[int]],
     draft_probs: list[torch.Tensor | None],
     generators: list[torch.Generator | None],
+    relaxed: torch.Tensor | None = None,
 ) -> VerifyOutput:
     """Accept/reject every request's drafts and emit one extra token each.
 
@@ -87,6 +90,9 @@ def verify(
     ``row_start[i] .. row_start[i] + k_i``. ``draft_probs[i]`` is ``[k_i, V]``
     or ``None`` for a deterministic proposer (one-hot ``q``). A ``None``
     generator marks a greedy request. See the module docstring for the rule.
+
+    ``relaxed`` (bool, one per draft position, flat over requests) marks positions a lossy acceptance policy
+    accepts whatever the exact rule says (spec/acceptance.py); the result is then no longer lossless.
     """
     _check_inputs(target_probs, row_start, draft_tokens, draft_probs, generators)
     device = target_probs.device
@@ -96,6 +102,7 @@ def verify(
     # --- acceptance of every draft position of every request at once ---
     rows = [row_start[i] + j for i in range(num_req) for j in range(ks[i])]
     accept_flat: list[bool] = []
+    exact_flat: list[bool] = []
     if rows:
         row_t = torch.tensor(rows, dtype=torch.int64, device=device)
         tok_t = torch.tensor([t for d in draft_tokens for t in d], dtype=torch.int64, device=device)
@@ -128,7 +135,11 @@ def verify(
         # target argmax (== "p(x) == 1" on one-hot p, robust to rounding).
         sampled_accept = u < p_x / q_x
         greedy_accept = tok_t == p_rows.argmax(dim=-1)
-        accept_flat = torch.where(greedy, greedy_accept, sampled_accept).tolist()  # one sync
+        accept = torch.where(greedy, greedy_accept, sampled_accept)
+        exact_flat = accept.tolist()
+        if relaxed is not None:
+            accept = accept | relaxed.to(device)
+        accept_flat = accept.tolist() if relaxed is not None else exact_flat
 
     # --- first rejection per request ---
     num_accepted: list[int] = []
@@ -163,7 +174,7 @@ def verify(
     final_list = final.tolist()
 
     tokens = [list(draft_tokens[i][: num_accepted[i]]) + [final_list[i]] for i in range(num_req)]
-    return VerifyOutput(tokens=tokens, num_accepted=num_accepted)
+    return VerifyOutput(tokens=tokens, num_accepted=num_accepted, exact_accepted=exact_flat)
 
 
 def greedy_verify(target_argmax: list[list[int]], draft_tokens: list[list[int]]) -> VerifyOutput:

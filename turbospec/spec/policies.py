@@ -1,0 +1,23 @@
+"""Names of the acceptance policies and what each needs (no torch import: config and the server read these).
+The policies themselves are in acceptance.py."""
+
+from __future__ import annotations
+
+ACCEPTANCE_POLICIES = ("exact", "typical", "adasd", "adasd-generation", "adasd-verification")
+LOSSLESS_POLICIES = ("exact", "adasd-generation")  # adasd-generation only shortens drafts
+# policies that read the draft model's distribution (and so need a draft model, not n-gram lookup)
+DRAFT_DISTRIBUTION_POLICIES = ("adasd", "adasd-generation", "adasd-verification")
+STOPS_DRAFTING = ("adasd", "adasd-generation")
+RELAXES_JS = ("adasd", "adasd-verification")
+TYPICAL_EPSILON = 0.09  # Medusa's defaults
+TYPICAL_DELTA = 0.3
+
+
+def check_policy(policy: str, method: str | None) -> str:
+    """Validate a policy name for a speculative method; returns it."""
+    if policy not in ACCEPTANCE_POLICIES:
+        raise ValueError(f"unknown acceptance policy {policy!r}: expected one of {', '.join(ACCEPTANCE_POLICIES)}")
+    if policy in DRAFT_DISTRIBUTION_POLICIES and method != "draft":
+        raise ValueError(f"acceptance {policy!r} reads the draft model's distribution: it needs speculative method "
+                         f"'draft' (this engine's is {method!r}); 'typical' and 'exact' work with any proposer")
+    return policy
