@@ -190,6 +190,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--max-model-len", type=int, default=1536)
     ap.add_argument("--out", default="benchmarks/results/adaptive_acceptance")
+    ap.add_argument("--resume", action="store_true", help="keep the rows a stopped run saved in OUT.partial.json")
     args = ap.parse_args()
     wanted = args.rows.split(",")
     unknown = sorted(set(wanted) - set(ROWS))
@@ -200,10 +201,15 @@ def main() -> None:
 
     tasks = load_humaneval(args.tasks)
     ids = prompt_ids(args.target, tasks)
-    rows: list[dict[str, Any]] = []
-    for row in [r for r in ROWS if r in wanted]:
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(".partial.json")  # every finished row, so a crash loses at most one row
+    rows: list[dict[str, Any]] = json.loads(partial.read_text()) if args.resume and partial.exists() else []
+    done = {r["row"] for r in rows}
+    for row in [r for r in ROWS if r in wanted and r not in done]:
         if row == "hf-assisted":
             rows.append(run_hf_assisted(args, tasks, ids))
+            partial.write_text(json.dumps(rows))
             continue
         model = args.draft if row == "draft" else args.target
         spec = None
@@ -211,6 +217,8 @@ def main() -> None:
             spec = {"method": "draft", "model": args.draft, "num_speculative_tokens": args.k,
                     "acceptance": "exact" if row == "vanilla" else row}
         rows.append(run_turbospec(args, row, model, spec, tasks, ids))
+        partial.write_text(json.dumps(rows))
+    rows.sort(key=lambda r: ROWS.index(r["row"]))
     score(rows, tasks)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             check=False).stdout.strip()
@@ -220,10 +228,9 @@ def main() -> None:
             "target": args.target, "draft": args.draft, "dtype": args.dtype, "k": args.k, "tasks": args.tasks,
             "task_ids": [t.task_id for t in tasks], "max_tokens": args.max_tokens,
             "network_isolated": all(r["network_isolated"] for r in rows)}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     out.with_suffix(".md").write_text(markdown(meta, rows))
+    partial.unlink(missing_ok=True)
     print(markdown(meta, rows))
 
 

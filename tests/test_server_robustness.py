@@ -282,3 +282,40 @@ def test_a_request_can_ask_for_a_deterministic_mode(server: LiveServer, monkeypa
         assert r.status_code == 400, (value, r.text)
         error = r.json()["error"]
         assert error["param"] == "deterministic" and words in error["message"], error
+
+
+def test_a_request_can_ask_for_a_lossy_acceptance_policy_and_the_answer_says_so() -> None:
+    """`"acceptance": "typical"` on an n-gram server: the answer carries {"acceptance": {"policy", "lossless":
+    false, "relaxed_tokens"}} (streams: on the last chunk); the default answer carries nothing; a policy the
+    server cannot give is a 400 on that field. A server without speculation refuses every lossy policy."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    engine = LLMEngine(EngineConfig("dummy:tiny", **ENGINE, speculative_config=spec), progress=False)
+    with live_server(engine, MODEL) as live:
+        prompt = "abcabcabcabcabcabc"
+        default = greedy(live, prompt).json()
+        assert "acceptance" not in default
+        lossy = greedy(live, prompt, acceptance="typical").json()
+        meta = lossy["acceptance"]
+        assert meta["policy"] == "typical" and meta["lossless"] is False and meta["relaxed_tokens"] >= 0
+        with httpx.stream("POST", live.url + "/v1/chat/completions", timeout=60,
+                          json={"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 6,
+                                "temperature": 0, "stream": True, "acceptance": "typical"}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        finished = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+        assert len(finished) == 1 and finished[0]["acceptance"]["policy"] == "typical"
+        assert all("acceptance" not in e for e in events if e not in finished)
+        for value, words in (("adasd", "needs speculative method 'draft'"), ("sloppy", "exact")):
+            r = greedy(live, prompt, acceptance=value)
+            assert r.status_code == 400, (value, r.text)
+            error = r.json()["error"]
+            assert error["param"] == "acceptance" and words in error["message"], error
+        r = greedy(live, prompt, acceptance="typical", deterministic="llm42")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "acceptance"
+
+
+def test_a_server_without_speculation_refuses_lossy_policies(server: LiveServer) -> None:
+    r = greedy(server, acceptance="typical")
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "acceptance" and "needs speculative decoding" in error["message"], error
+    assert greedy(server, acceptance="exact").status_code == 200

@@ -144,3 +144,7 @@ def test_cli_reports_stats_and_refuses_bad_configs():
     bad = subprocess.run(base + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "num_speculative_tokens" in bad.stderr and "Traceback" not in bad.stderr
+    lossy = subprocess.run(base + ["--speculative-config", '{"method": "ngram", "acceptance": "adasd"}'],
+                           capture_output=True, text=True)
+    assert lossy.returncode == 2 and "needs speculative method 'draft'" in lossy.stderr
+    assert "Traceback" not in lossy.stderr

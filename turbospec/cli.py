@@ -211,6 +211,9 @@ def _generate(args: argparse.Namespace) -> int:
         }
         if llm.engine.proposer is not None:
             result["stats"] = llm.spec_stats()
+        if out.acceptance != "exact":  # a lossy (or draft-shortening) policy says so, as the server does
+            result["acceptance"] = {"policy": out.acceptance, "lossless": out.lossless,
+                                    "relaxed_tokens": out.relaxed_tokens}
         if args.deterministic in ("llm42", "margin-gate"):
             result["determinism"] = llm.engine.determinism_stats()
         if completion.logprobs is not None:

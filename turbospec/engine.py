@@ -303,6 +303,8 @@ class LLMEngine:
         features = self._features(sched, draft_tokens) if learn or self.sample_steps else None  # before _update
         model_out = self.runner.execute(sched, self._exact_ids)
         forwarded = time.perf_counter()
+        if draft_tokens:  # AdaSD weighs a draft step against this (spec/acceptance.py)
+            self.adaptive_thresholds.observe_costs(target_step_s=forwarded - proposed)
         outputs = self._update(sched, model_out)
         end = time.perf_counter()
         self.last_step = StepStats(len(sched.scheduled), sched.num_batched_tokens, len(sched.preempted), end - start)
@@ -458,7 +460,7 @@ class LLMEngine:
                     self.proposer.on_verified(req, accepted)
             if self.controller is not None and self.spec_mode == "auto" and result and req.request_id not in checking:
                 self._observe_acceptance(req, num_drafts, accepted, result[0])
-            req.spec_token_ids, req.spec_draft_probs, req.spec_draft_soft = [], None, None
+            req.spec_token_ids, req.spec_draft_probs, req.spec_draft_soft, req.spec_draft_entropy = [], None, None, []
         return outputs
 
     def _observe_acceptance(self, req: Request, num_drafts: int, accepted: int,

@@ -86,10 +86,12 @@ def run_program(program: str, timeout_s: float = 10.0, memory_mb: int = 1024) ->
         cmd = [sys.executable, "-I", "-B", path]
         if isolated:
             cmd = ["unshare", "--net", "--map-root-user", *cmd]
-        try:  # preexec_fn is fine here: callers run programs from one thread (the benchmark's main thread)
-            proc = subprocess.Popen(  # noqa: PLW1509cmd, cwd=workdir, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        # preexec_fn is fine here: callers run programs from one thread (the benchmark's main thread)
+        limits = functools.partial(_limits, int(timeout_s) + 1, memory_mb)
+        try:
+            proc = subprocess.Popen(cmd, cwd=workdir, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,  # noqa: PLW1509
                                     stderr=subprocess.PIPE, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
-                                    preexec_fn=functools.partial(_limits, int(timeout_s) + 1, memory_mb))
+                                    preexec_fn=limits)
         except OSError as exc:
             return ExecResult(False, "error", f"could not start: {exc}", isolated)
         try:

@@ -54,6 +54,7 @@ class _Add:
     speculate: bool
     arrival_time: float
     deterministic: str | None = None
+    acceptance: str | None = None
 
 
 @dataclass
@@ -115,14 +116,15 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        speculate: bool = True, arrival_time: float | None = None,
-                       deterministic: str | None = None) -> AsyncIterator[RequestOutput]:
+                       deterministic: str | None = None, acceptance: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Queue one request and yield its outputs until it finishes. Leaving the loop early (a disconnect,
         a cancelled handler) aborts the request in the engine."""
         self.check_capacity(1)
         stream = _Stream()
         self._streams[request_id] = stream
         self._send(_Add(request_id, prompt_token_ids, params, speculate, arrival_time or time.monotonic(),
-                        deterministic))
+                        deterministic, acceptance))
         try:
             while True:
                 item = await stream.queue.get()
@@ -198,7 +200,8 @@ class AsyncEngine:
             try:
                 self.engine.add_request(cmd.prompt_token_ids, cmd.params, request_id=cmd.request_id,
                                         prompt_token_ids=cmd.prompt_token_ids, speculate=cmd.speculate,
-                                        arrival_time=cmd.arrival_time, deterministic=cmd.deterministic)
+                                        arrival_time=cmd.arrival_time, deterministic=cmd.deterministic,
+                                        acceptance=cmd.acceptance)
             except ValueError as exc:
                 results.append((cmd.request_id, RequestFailed(str(exc))))
 

@@ -55,6 +55,8 @@ class ServerMetrics:
         self.drafts = counter("spec_decode_num_drafts", "Request-steps that verified at least one draft token")
         self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified")
         self.accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.relaxed = counter("spec_decode_num_relaxed_tokens",
+                               "Draft tokens accepted only by a lossy acceptance policy (typical, adasd)")
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted, by position in the draft", ("position",))
         self.chosen_k = histogram("spec_decode_chosen_k", "Draft length given to a decoding request-step "
@@ -69,7 +71,7 @@ class ServerMetrics:
                        self.accepted, self.chosen_k):
             metric.labels(model_name)  # exported at zero from the start, so a scrape sees every series
         self._timings: dict[str, _Timing] = {}
-        self._spec_seen = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "preemptions": 0}
+        self._spec_seen = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "relaxed": 0, "preemptions": 0}
         self._per_pos_seen: list[int] = []
         self._k_seen: list[int] = []
 
@@ -116,12 +118,12 @@ class ServerMetrics:
     def _observe_spec(self, engine: LLMEngine) -> None:
         m, s, seen = self.model_name, engine.spec_stats, self._spec_seen
         current = {"drafts": s.num_drafts, "draft_tokens": s.num_draft_tokens, "accepted": s.num_accepted_tokens,
-                   "preemptions": engine.scheduler.num_preemptions}
+                   "relaxed": s.num_relaxed_tokens, "preemptions": engine.scheduler.num_preemptions}
         if current["drafts"] < seen["drafts"]:  # the engine's statistics were reset: start counting again
-            seen.update(drafts=0, draft_tokens=0, accepted=0)
+            seen.update(drafts=0, draft_tokens=0, accepted=0, relaxed=0)
             self._per_pos_seen, self._k_seen = [], []
         for key, metric in (("drafts", self.drafts), ("draft_tokens", self.draft_tokens),
-                            ("accepted", self.accepted), ("preemptions", self.preemptions)):
+                            ("accepted", self.accepted), ("relaxed", self.relaxed), ("preemptions", self.preemptions)):
             if current[key] > seen[key]:
                 metric.labels(m).inc(current[key] - seen[key])
         self._spec_seen = current

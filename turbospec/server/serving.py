@@ -47,6 +47,7 @@ class _Run:
     speculate: bool
     arrival: float
     deterministic: str | None = None
+    acceptance: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -84,9 +85,13 @@ class OpenAIServing:
         except UnsupportedValue as exc:
             raise bad_request(str(exc), exc.param) from exc
         try:
-            self.engine.engine.request_determinism(req.deterministic, calibrate=False)
+            determinism = self.engine.engine.request_determinism(req.deterministic, calibrate=False)
         except ValueError as exc:
             raise bad_request(str(exc), "deterministic") from exc
+        try:
+            self.engine.engine.request_acceptance(req.acceptance, determinism)
+        except ValueError as exc:
+            raise bad_request(str(exc), "acceptance") from exc
         base = uuid.uuid4().hex
         jobs: list[Job] = []
         for p, ids in enumerate(prompts):
@@ -122,7 +127,8 @@ class OpenAIServing:
         async def pump(job: Job) -> None:
             try:
                 async for out in self.engine.generate(job.request_id, job.prompt_ids, job.params,
-                                                      run.speculate, run.arrival, run.deterministic):
+                                                      run.speculate, run.arrival, run.deterministic,
+                                                      run.acceptance):
                     merged.put_nowait((job, out))
             except Exception as exc:  # handed to the consumer, which decides
                 merged.put_nowait(exc)
@@ -187,7 +193,7 @@ class OpenAIServing:
         prompts = [self.encode(p) if isinstance(p, str) else p for p in raw]
         echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in raw] if req.echo else None
         return _Run(self.make_jobs(req, prompts, req.logprobs, req.max_tokens, echo), req.speculation, arrival,
-                    req.deterministic)
+                    req.deterministic, req.acceptance)
 
     async def completion(self, req: CompletionRequest, run: _Run, is_disconnected: IsDisconnected) -> dict[str, Any]:
         outs = await self.collect(run, is_disconnected)
@@ -200,7 +206,8 @@ class OpenAIServing:
                 completion_logprobs(c.token_ids, c.logprobs, self.tokenizer.token_text, len(job.echo)),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
             })
-        return {**self._envelope("cmpl", "text_completion", run), "choices": choices, "usage": self._usage(run, outs)}
+        return {**self._envelope("cmpl", "text_completion", run), "choices": choices, "usage": self._usage(run, outs),
+                **_acceptance_meta(outs)}
 
     async def completion_stream(self, req: CompletionRequest, run: _Run) -> AsyncIterator[str]:
         states = {job.index: _ChoiceState() for job in run.jobs}
@@ -221,7 +228,8 @@ class OpenAIServing:
             if text or out.finished or logprobs:
                 yield chunk([{"index": job.index, "text": text, "logprobs": logprobs,
                               "finish_reason": c.finish_reason if out.finished else None,
-                              "stop_reason": c.stop_reason if out.finished else None}])
+                              "stop_reason": c.stop_reason if out.finished else None}],
+                            _acceptance_meta([out]) if out.finished else None)
         if req.include_usage:
             yield chunk([], {"usage": self._stream_usage(run, states)})
         yield sse("[DONE]")
@@ -232,7 +240,7 @@ class OpenAIServing:
         self.check_model(req.model)
         ids = self.chat_ids(req.messages, req.add_generation_prompt)
         return _Run(self.make_jobs(req, [ids], req.num_logprobs, req.requested_max_tokens), req.speculation, arrival,
-                    req.deterministic)
+                    req.deterministic, req.acceptance)
 
     async def chat(self, req: ChatCompletionRequest, run: _Run, is_disconnected: IsDisconnected) -> dict[str, Any]:
         outs = await self.collect(run, is_disconnected)
@@ -246,7 +254,7 @@ class OpenAIServing:
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
             })
         return {**self._envelope("chatcmpl", "chat.completion", run), "choices": choices,
-                "usage": self._usage(run, outs)}
+                "usage": self._usage(run, outs), **_acceptance_meta(outs)}
 
     async def chat_stream(self, req: ChatCompletionRequest, run: _Run) -> AsyncIterator[str]:
         states = {job.index: _ChoiceState() for job in run.jobs}
@@ -269,7 +277,8 @@ class OpenAIServing:
             if out.delta_text or out.finished or logprobs:
                 yield chunk([{"index": job.index, "delta": {"content": out.delta_text} if out.delta_text else {},
                               "logprobs": logprobs, "finish_reason": c.finish_reason if out.finished else None,
-                              "stop_reason": c.stop_reason if out.finished else None}])
+                              "stop_reason": c.stop_reason if out.finished else None}],
+                            _acceptance_meta([out]) if out.finished else None)
         if req.include_usage:
             yield chunk([], {"usage": self._stream_usage(run, states)})
         yield sse("[DONE]")
@@ -287,8 +296,9 @@ class OpenAIServing:
         envelope = self._envelope(id_prefix, object_name, run)
 
         def chunk(choices: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> str:
-            usage_field = extra or ({"usage": None} if req.include_usage else {})
-            return sse({**envelope, "choices": choices, **usage_field})
+            extra = extra or {}
+            usage_field = {} if "usage" in extra or not req.include_usage else {"usage": None}
+            return sse({**envelope, "choices": choices, **usage_field, **extra})
 
         return chunk
 
@@ -315,6 +325,15 @@ class OpenAIServing:
     @staticmethod
     def _stream_usage(run: _Run, states: dict[int, _ChoiceState]) -> dict[str, int]:
         return usage(_prompt_tokens(run), sum(s.tokens for s in states.values()))
+
+
+def _acceptance_meta(outs: list[RequestOutput]) -> dict[str, Any]:
+    """A response under any acceptance policy but the lossless default says which, whether it is lossless, and
+    how many tokens were kept only by its relaxed rule (streams: on each choice's last chunk)."""
+    if not outs or outs[0].acceptance == "exact":
+        return {}
+    return {"acceptance": {"policy": outs[0].acceptance, "lossless": outs[0].lossless,
+                           "relaxed_tokens": sum(o.relaxed_tokens for o in outs)}}
 
 
 def _prompt_tokens(run: _Run) -> int:

@@ -13,6 +13,7 @@ tokens before it were all fed, so its KV covers every kept draft.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +80,8 @@ class DraftModelProposer(Proposer):
         active = [i for i, (r, k) in enumerate(zip(requests, num_tokens)) if k > 0 and self._reserve(r, k)]
         limit = list(num_tokens)  # an AdaSD stop lowers a request's limit to the drafts it keeps
         steps_run = dict.fromkeys(active, 0)
+        survival = dict.fromkeys(active, 1.0)  # AdaSD: estimated chance that the drafts so far are all accepted
+        expected = dict.fromkeys(active, 0.0)  # ... and their expected accepted count
         q_rows: dict[int, list[torch.Tensor]] = {i: [] for i in active}
         soft_rows: dict[int, list[torch.Tensor]] = {i: [] for i in active}
         for step in range(max((num_tokens[i] for i in active), default=0)):
@@ -94,7 +97,10 @@ class DraftModelProposer(Proposer):
                     items.append(SeqInput(req.request_id, req.all_token_ids[have:], have, 1))
                 else:
                     items.append(SeqInput(req.request_id, [drafts[i].tokens[-1]], req.num_tokens + step - 1, 1))
+            started = time.perf_counter()
             logits = self.runner.run(items).logits
+            if step > 0:  # a one-token step: what one more draft token costs (step 0 also catches up)
+                self.thresholds.observe_costs(draft_step_s=time.perf_counter() - started)
             reqs = [requests[i] for i in live]
             batch = SamplingBatch.build([r.params for r in reqs], [r.generator for r in reqs], logits.shape[-1],
                                         device=logits.device)
@@ -103,10 +109,12 @@ class DraftModelProposer(Proposer):
             for row, (i, tok) in enumerate(zip(live, sample(probs, batch).tolist())):
                 req = requests[i]
                 if soft is not None and req.acceptance in DRAFT_DISTRIBUTION_POLICIES:
-                    # AdaSD's generation rule: stop where the draft itself is unsure (this token is dropped)
-                    if req.acceptance in STOPS_DRAFTING and ent[row] > self.thresholds.entropy_threshold:
-                        limit[i] = step
-                        continue
+                    if req.acceptance in STOPS_DRAFTING:  # AdaSD's generation rule (spec/acceptance.py)
+                        kept = self.thresholds.keep_drafting(ent[row], step, survival[i], expected[i])
+                        if kept is None:  # stop where another draft token no longer pays (it is dropped)
+                            limit[i] = step
+                            continue
+                        survival[i], expected[i] = kept, expected[i] + kept
                     soft_rows[i].append(soft[row])
                     drafts[i].entropies = (drafts[i].entropies or []) + [ent[row]]
                 drafts[i].tokens.append(tok)
