@@ -161,10 +161,11 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         "",
         f"- command: `{meta['command']}`", f"- machine: {meta['machine']}, {meta['threads']} threads, torch {meta['torch']}",
         f"- date: {meta['date']}, commit {meta['commit']}",
-        f"- target `{meta['target']}`, draft `{meta['draft']}`, {meta['dtype']}; greedy, single stream, k = {meta['k']} "
-        f"for every speculative row; the first {meta['tasks']} HumanEval tasks (a fixed subset, the same for every "
-        f"row), answers pre-filled with the task prompt, stopped at the closing code fence, at most "
-        f"{meta['max_tokens']} tokens; tests run in the sandbox (network namespace: {meta['network_isolated']})", "",
+        (f"- target `{meta['target']}`, draft `{meta['draft']}`, {meta['dtype']}; greedy, single stream, k = {meta['k']} "
+         f"for every speculative row; the first {meta['tasks']} HumanEval tasks (a fixed subset, the same for every "
+         f"row), answers pre-filled with the task prompt, stopped at the closing code fence, at most "
+         f"{meta['max_tokens']} tokens; tests run in the sandbox (network namespace: {meta['network_isolated']})"),
+        "",
         "| method | pass@1 | tok/s | = target | relaxed | tau | speedup vs target | speedup vs vanilla |",
         "|---|---|---|---|---|---|---|---|",
     ]

@@ -89,9 +89,9 @@ def run_program(program: str, timeout_s: float = 10.0, memory_mb: int = 1024) ->
         # preexec_fn is fine here: callers run programs from one thread (the benchmark's main thread)
         limits = functools.partial(_limits, int(timeout_s) + 1, memory_mb)
         try:
-            proc = subprocess.Popen(cmd, cwd=workdir, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,  # noqa: PLW1509
+            proc = subprocess.Popen(cmd, cwd=workdir, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.PIPE, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
-                                    preexec_fn=limits)
+                                    preexec_fn=limits)  # noqa: PLW1509
         except OSError as exc:
             return ExecResult(False, "error", f"could not start: {exc}", isolated)
         try:

@@ -162,7 +162,8 @@ class AdaptiveThresholds:
             self.target_step_s.add([target_step_s])
 
     def as_dict(self) -> dict[str, float | int | None]:
-        return {"js_threshold": self.js_threshold, "entropy_threshold": self.entropy_threshold,
+        cut = self.entropy_threshold
+        return {"js_threshold": self.js_threshold, "entropy_threshold": cut if math.isfinite(cut) else None,
                 "cost_ratio": self.cost_ratio, "js_observations": self.js_agree.count,
                 "entropy_observations": sum(self.seen_by_entropy)}
 
