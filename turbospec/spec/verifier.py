@@ -187,6 +187,7 @@ def greedy_verify(target_argmax: list[list[int]], draft_tokens: list[list[int]])
         raise ValueError("need one target_argmax list per request")
     tokens: list[list[int]] = []
     num_accepted: list[int] = []
+    exact: list[bool] = []
     for target, drafts in zip(target_argmax, draft_tokens):
         if len(target) != len(drafts) + 1:
             raise ValueError(f"need k + 1 = {len(drafts) + 1} target tokens, got {len(target)}")
@@ -195,7 +196,8 @@ def greedy_verify(target_argmax: list[list[int]], draft_tokens: list[list[int]])
             n += 1
         tokens.append(list(drafts[:n]) + [target[n]])
         num_accepted.append(n)
-    return VerifyOutput(tokens=tokens, num_accepted=num_accepted)
+        exact += [d == t for d, t in zip(drafts, target)]
+    return VerifyOutput(tokens=tokens, num_accepted=num_accepted, exact_accepted=exact)
 
 
 def synthetic_verify(probs: torch.Tensor, row_start: list[int], draft_tokens: list[list[int]], rate: float,
