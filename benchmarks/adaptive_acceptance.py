@@ -22,7 +22,6 @@ import argparse
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ from turbospec.bench.humaneval import (
     check_completion,
     load_humaneval,
 )
-from turbospec.control.profiler import hardware_name
+from turbospec.bench.machine import machine_info
 from turbospec.models.registry import pull
 
 POLICIES = ("typical", "adasd", "adasd-generation", "adasd-verification")
@@ -221,12 +220,11 @@ def main() -> None:
         partial.write_text(json.dumps(rows))
     rows.sort(key=lambda r: ROWS.index(r["row"]))
     score(rows, tasks)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            check=False).stdout.strip()
+    where = machine_info(args.threads)
     meta = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "machine": f"{hardware_name('cpu')}, {os.cpu_count()} CPUs", "threads": args.threads,
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
-            "target": args.target, "draft": args.draft, "dtype": args.dtype, "k": args.k, "tasks": args.tasks,
+            "machine": f"{where['cpu']}, {where['cpus']} CPUs", "threads": args.threads, "torch": where["torch"],
+            "date": where["date"], "commit": where["commit"], "target": args.target, "draft": args.draft,
+            "dtype": args.dtype, "k": args.k, "tasks": args.tasks,
             "task_ids": [t.task_id for t in tasks], "max_tokens": args.max_tokens,
             "network_isolated": all(r["network_isolated"] for r in rows)}
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -21,10 +21,9 @@ The adaptive thresholds (our reading of AdaSD, whose text gives no formula we co
 - entropy threshold: the verifier's outcomes give an acceptance estimate per draft-entropy bin, and the engine
   measures a draft step's and a target step's time. A draft token is kept only while its expected accepted
   tokens per unit of time (survival so far x acceptance at its entropy, over one draft step) beat those of the
-  draft so far, so the cut-off entropy falls where drafting stops paying on this hardware. A first version cut
-  midway between the mean entropies of accepted and rejected tokens: it ignores cost, and on this CPU (where a
-  verified token is nearly free) it was 3% slower than vanilla speculative decoding (benchmarks/results/
-  adaptive_acceptance.md). The first draft token is always kept: whether to draft at all is the goodput
+  draft so far, so the cut-off entropy falls where drafting stops paying on this hardware. (A cut midway between the
+  mean entropies of accepted and rejected tokens would ignore cost, which matters on a CPU where a verified token
+  is nearly free.) The first draft token is always kept: whether to draft at all is the goodput
   controller's choice.
 Both are kept per engine (they describe the draft/target pair, not a request) and only ever read positions the
 verifier actually reached.
