@@ -22,7 +22,6 @@ import argparse
 import gc
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,7 @@ from turbospec.bench.humaneval import (
     check_completion,
     load_humaneval,
 )
-from turbospec.bench.machine import machine_info
+from turbospec.bench.machine import benchmark_meta, save_results
 from turbospec.models.registry import pull
 
 POLICIES = ("typical", "adasd", "adasd-generation", "adasd-verification")
@@ -220,17 +219,10 @@ def main() -> None:
         partial.write_text(json.dumps(rows))
     rows.sort(key=lambda r: ROWS.index(r["row"]))
     score(rows, tasks)
-    where = machine_info(args.threads)
-    meta = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "machine": f"{where['cpu']}, {where['cpus']} CPUs", "threads": args.threads, "torch": where["torch"],
-            "date": where["date"], "commit": where["commit"], "target": args.target, "draft": args.draft,
-            "dtype": args.dtype, "k": args.k, "tasks": args.tasks,
-            "task_ids": [t.task_id for t in tasks], "max_tokens": args.max_tokens,
-            "network_isolated": all(r["network_isolated"] for r in rows)}
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    out.with_suffix(".md").write_text(markdown(meta, rows))
-    partial.unlink(missing_ok=True)
-    print(markdown(meta, rows))
+    meta = benchmark_meta(args.threads, target=args.target, draft=args.draft, dtype=args.dtype, k=args.k,
+                          tasks=args.tasks, task_ids=[t.task_id for t in tasks], max_tokens=args.max_tokens,
+                          network_isolated=all(r["network_isolated"] for r in rows))
+    save_results(out, meta, rows, markdown(meta, rows))
 
 
 if __name__ == "__main__":

@@ -143,7 +143,9 @@ def test_chunked_prefill_prefix_cache_and_speculation_change_nothing(invariant: 
     assert _needle_runs(chunked, GREEDY, trials=0)[0] == want
     configs = [{"method": "ngram", "num_speculative_tokens": 1}, {"method": "ngram", "num_speculative_tokens": 4},
                {"method": "ngram"},  # the goodput controller picks k per request and step
-               {"method": "draft", "model": MODEL, "num_speculative_tokens": 3}]
+               {"method": "draft", "model": MODEL, "num_speculative_tokens": 3},
+               {"method": "layer-skip", "skip_layers": [3, 9, 15, 21], "num_speculative_tokens": 3},
+               {"method": "lookahead", "num_speculative_tokens": 4}]
     for config in configs:
         spec = _llm("batch-invariant", speculative_config=config)
         assert set(_needle_runs(spec, GREEDY, trials=2)) == {want}, config

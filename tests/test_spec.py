@@ -22,6 +22,8 @@ PROMPTS = SPEC_PROMPTS
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 SELF_DRAFT = {"method": "draft", "model": MODEL, "num_speculative_tokens": 3}
+LAYER_SKIP = {"method": "layer-skip", "skip_layers": [4, 8, 12, 16, 20], "num_speculative_tokens": 3}
+LOOKAHEAD = {"method": "lookahead", "num_speculative_tokens": 6}
 
 
 def _llm(**kw) -> LLM:
@@ -46,7 +48,8 @@ def _assert_no_leaks(llm: LLM) -> None:
         assert not engine.proposer.computed and not engine.proposer.pending
 
 
-@pytest.mark.parametrize("config", [NGRAM, SELF_DRAFT], ids=["ngram", "draft"])
+@pytest.mark.parametrize("config", [NGRAM, SELF_DRAFT, LAYER_SKIP, LOOKAHEAD],
+                         ids=["ngram", "draft", "layer-skip", "lookahead"])
 def test_greedy_speculation_reproduces_plain_decoding(config, plain):
     llm = _llm(speculative_config=config)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -75,12 +78,13 @@ def test_mixed_batch_with_prefill_chunks_next_to_verification(plain):
     _assert_no_leaks(llm)
 
 
-def test_preemption_while_speculating_loses_nothing(plain):
+@pytest.mark.parametrize("config", [SELF_DRAFT, LAYER_SKIP, LOOKAHEAD], ids=["draft", "layer-skip", "lookahead"])
+def test_preemption_while_speculating_loses_nothing(config, plain):
     probe = _llm()
     per_block = KVCache.bytes_per_block(probe.engine.model_config, 16, probe.engine.dtype)
     del probe
     # 14 blocks of 16 tokens: not enough for five ~60-token sequences with 3 drafts each at once
-    llm = _llm(speculative_config=SELF_DRAFT, kv_cache_memory_gib=14 * per_block / 2**30, max_model_len=128)
+    llm = _llm(speculative_config=config, kv_cache_memory_gib=14 * per_block / 2**30, max_model_len=128)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     assert _agreement(outs, plain) == 1.0
@@ -122,6 +126,11 @@ def test_sampled_speculation_is_seeded_and_in_vocabulary():
         ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min (4) must be <="),
         ({"method": "ngram", "typo": 1}, "unknown speculative config key"),
         ("{not json", "not valid JSON"),
+        ({"method": "ngram", "skip_layers": [3]}, "skip_layers only applies to method 'layer-skip'"),
+        ({"method": "layer-skip", "skip_layers": [3, -1]}, "skip_layers must be a list of layer indices"),
+        ({"method": "layer-skip", "skip_layers": "3,4"}, "skip_layers must be a list of layer indices"),
+        ({"method": "lookahead", "lookahead_ngram": 1}, "lookahead_ngram must be >= 2"),
+        ({"method": "lookahead", "lookahead_window": 0}, "lookahead_window must be an integer >= 1"),
     ],
 )
 def test_invalid_configs_are_refused(config, message):

@@ -81,14 +81,16 @@ def build_metadata(
     tree_masks: list[torch.Tensor | None] | None = None,
     max_group_query: int = 16,
     invariant: list[bool] | None = None,
+    tree_positions: list[list[int] | None] | None = None,
 ) -> AttentionMetadata:
     """Describe a ragged step.
 
     query_lens[i] tokens of sequence i are computed this step; they are its last ones, so its context after
     the step has context_lens[i] tokens (positions 0..context_lens[i]-1). slot_tables[i] holds the cache
     slot of every one of those positions. tree_masks[i], when given, is a [q, q] bool matrix that replaces
-    the causal mask among the sequence's own new tokens (token trees). invariant[i] puts sequence i in a group
-    computed on the batch-invariant path (and makes the linears invariant).
+    the causal mask among the sequence's own new tokens (token trees), and tree_positions[i] then gives its new
+    tokens' positions (root + depth: sliding windows are measured from them). invariant[i] puts sequence i in a
+    group computed on the batch-invariant path (and makes the linears invariant).
     """
     starts: list[int] = []
     offset = 0
@@ -97,14 +99,15 @@ def build_metadata(
         offset += q
     slot_mapping = torch.cat([slot_tables[i][c - q:c] for i, (q, c) in enumerate(zip(query_lens, context_lens))])
     trees = tree_masks or [None] * len(query_lens)
+    tree_pos = tree_positions or [None] * len(query_lens)
 
     exact = invariant or [False] * len(query_lens)
     groups: list[AttnGroup] = []
     for flag in (False, True):  # invariant sequences never share a group with fast ones
         members = [i for i in range(len(query_lens)) if exact[i] == flag]
         short = [i for i in members if query_lens[i] <= max_group_query]
-        made = [_group(short, query_lens, context_lens, starts, slot_tables, trees)] if short else []
-        made += [_group([i], query_lens, context_lens, starts, slot_tables, trees)
+        made = [_group(short, query_lens, context_lens, starts, slot_tables, trees, tree_pos)] if short else []
+        made += [_group([i], query_lens, context_lens, starts, slot_tables, trees, tree_pos)
                  for i in members if query_lens[i] > max_group_query]
         for g in made:
             g.invariant = flag
@@ -119,6 +122,7 @@ def _group(
     starts: list[int],
     slot_tables: list[torch.Tensor],
     trees: list[torch.Tensor | None],
+    tree_pos: list[list[int] | None],
 ) -> AttnGroup:
     num = len(seqs)
     q_max = max(query_lens[i] for i in seqs)
@@ -139,6 +143,8 @@ def _group(
         if trees[i] is not None:
             q, c = query_lens[i], context_lens[i]
             mask[row, :q, c - q:c] = trees[i]
+            if tree_pos[i] is not None:  # nodes sit at root + depth, before their flat index
+                query_positions[row, :q] = torch.tensor(tree_pos[i])
     mask &= query_valid[:, :, None]
     mask[..., 0] |= ~query_valid  # padded rows attend position 0 so SDPA stays finite; their output is dropped
     first = starts[seqs[0]]

@@ -1,4 +1,5 @@
-"""Command line: ``turbospec pull | models | generate | serve | profile | calibrate-margin | bench serve``.
+"""Command line: ``turbospec pull | models | generate | serve | profile | calibrate-margin | search-layers |
+bench serve``.
 Bad input exits with code 2 and a one-line reason."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from .config import DETERMINISTIC_MODES
@@ -85,6 +87,33 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--safety", type=float, default=2.0, help="threshold = safety x the largest drift seen")
     cal.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
     cal.add_argument("--num-threads", type=int, default=None)
+
+    lay = sub.add_parser("search-layers", help="search the layers a layer-skip draft skips and cache the result "
+                                               "that {\"method\": \"layer-skip\"} uses")
+    lay.add_argument("--model", required=True, help="registry name, .gguf path, HF directory or dummy:<shape>")
+    lay.add_argument("--num-prompts", type=int, default=8, help="held-out ShareGPT prompts the target answers")
+    lay.add_argument("--max-tokens", type=int, default=48, help="answer tokens scored per prompt")
+    lay.add_argument("--max-skip-fraction", type=float, default=0.5, help="skip at most this share of the layers")
+    lay.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
+    lay.add_argument("--num-threads", type=int, default=None)
+
+    th = sub.add_parser("train-head", help="train Medusa or Hydra draft heads by self-distillation on ShareGPT "
+                                           "(needs `make bench-setup` for the data set)")
+    th.add_argument("--model", required=True, help="registry name, .gguf path or HF directory")
+    th.add_argument("--method", required=True, choices=["medusa", "hydra"])
+    th.add_argument("--num-heads", type=int, default=4, help="tokens drafted past the known one")
+    th.add_argument("--num-prompts", type=int, default=400, help="ShareGPT prompts the target answers")
+    th.add_argument("--max-tokens", type=int, default=128, help="answer tokens per prompt")
+    th.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary: the answers' most frequent tokens")
+    th.add_argument("--budget-minutes", type=float, default=20.0,
+                    help="training time (the answers are generated first and cached)")
+    th.add_argument("--epochs", type=int, default=8)
+    th.add_argument("--batch-size", type=int, default=256)
+    th.add_argument("--lr", type=float, default=2e-3)
+    th.add_argument("--out", default=None, help="head file (default: heads/<model>-<method>.safetensors)")
+    th.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    th.add_argument("--dtype", default="bfloat16", help="the target's dtype while answering")
+    th.add_argument("--num-threads", type=int, default=None)
     return p
 
 
@@ -158,19 +187,14 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from .config import EngineConfig
     from .determinism.calibrate import calibrate, calibration_path
-    from .engine import LLMEngine
 
     try:
-        for flag, value in (("--num-prompts", args.num_prompts), ("--max-tokens", args.max_tokens)):
-            if value < 1:
-                raise ValueError(f"{flag} must be >= 1, got {value}")
+        _require_at_least_one(args, "num_prompts", "max_tokens")
         if not args.safety >= 1.0:
             raise ValueError(f"--safety must be >= 1 (a threshold below the drift seen would miss flips), "
                              f"got {args.safety}")
-        engine = LLMEngine(EngineConfig(args.model, dtype=args.dtype, num_threads=args.num_threads,
-                                        kv_cache_memory_gib=0.25))
+        engine = _tool_engine(args)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     result = calibrate(engine, args.num_prompts, args.max_tokens, args.safety)
@@ -180,6 +204,65 @@ def _calibrate(args: argparse.Namespace) -> int:
           f"{result.max_drift:.4g}; p99 drift {result.p99_drift:.4g}); {result.flips} of {result.tokens} fast tokens "
           f"flipped, the largest flipped margin {result.max_flip_margin:.4g}; prompts: {result.source}")
     print(f"saved {path}")
+    return 0
+
+
+def _tool_engine(args: argparse.Namespace, **options: Any) -> Any:
+    """The engine a one-off command (calibrate-margin, search-layers, train-head) runs on: a small KV cache."""
+    from .config import EngineConfig
+    from .engine import LLMEngine
+
+    return LLMEngine(EngineConfig(args.model, dtype=args.dtype, num_threads=args.num_threads,
+                                  **{"kv_cache_memory_gib": 0.25, **options}))
+
+
+def _require_at_least_one(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
+def _search_layers(args: argparse.Namespace) -> int:
+    from .spec.layer_search import plan_path, search_skip_layers
+
+    try:
+        _require_at_least_one(args, "num_prompts", "max_tokens")
+        if not 0 < args.max_skip_fraction < 1:
+            raise ValueError(f"--max-skip-fraction must be in (0, 1), got {args.max_skip_fraction}")
+        engine = _tool_engine(args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    plan = search_skip_layers(engine, args.num_prompts, args.max_tokens, args.max_skip_fraction)
+    path = plan_path(engine)
+    plan.save(path)
+    print(f"skip layers {plan.skip} of {plan.num_layers}: acceptance {plan.agreement:.3f}, draft step "
+          f"{plan.cost_fraction:.2f} of a target step, expected speedup {plan.expected_speedup:.2f}x at "
+          f"k={plan.best_k} "
+          f"({len(plan.trials)} sets scored on {plan.tokens} tokens of {plan.source}, {plan.seconds:.0f} s)")
+    print(f"saved {path}")
+    return 0
+
+
+def _train_head(args: argparse.Namespace) -> int:
+    from .spec.head_training import TrainHeadOptions, train_heads
+    from .spec.heads import head_path
+
+    try:
+        _require_at_least_one(args, "num_heads", "num_prompts", "max_tokens", "draft_vocab", "epochs", "batch_size")
+        for flag in ("budget_minutes", "lr"):
+            if not getattr(args, flag) > 0:
+                raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+        opts = TrainHeadOptions(args.method, args.num_heads, args.num_prompts, args.max_tokens, args.draft_vocab,
+                                args.budget_minutes, args.epochs, args.batch_size, args.lr)
+        engine = _tool_engine(args, max_model_len=2048, max_num_seqs=16, kv_cache_memory_gib=1.0)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    out = Path(args.out) if args.out else head_path(args.model, args.method)
+    report = train_heads(engine, opts, out, resume=args.resume)
+    print(f"{args.method} heads: held-out top-1 accuracy per head {report['heldout_top1_accuracy']} "
+          f"(draft vocabulary covers {report['draft_vocab_coverage']:.1%} of answer tokens), {report['steps']} of "
+          f"{report['total_steps']} steps in {report['seconds']} s")
+    print(f"saved {out}")
     return 0
 
 
@@ -274,6 +357,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _profile(args)
         if args.command == "calibrate-margin":
             return _calibrate(args)
+        if args.command == "search-layers":
+            return _search_layers(args)
+        if args.command == "train-head":
+            return _train_head(args)
         if args.command == "serve":
             return _serve(args)
         if args.command == "bench":

@@ -87,7 +87,8 @@ def _positive(name: str, value: object, alternative: str = "") -> None:
         raise ValueError(f"{name} must be an integer >= 1{' ' + alternative if alternative else ''}, got {value!r}")
 
 
-SPEC_METHODS = ("ngram", "draft")
+SPEC_METHODS = ("ngram", "draft", "layer-skip", "medusa", "hydra", "lookahead")
+HEAD_METHODS = ("medusa", "hydra")
 
 
 @dataclass
@@ -99,6 +100,16 @@ class SpeculativeConfig:
     num_speculative_tokens: int | str = "auto"
     max_speculative_tokens: int = 8
     model: str | None = None  # the draft model, for method "draft"
+    # method "layer-skip": the layers the target skips when it drafts for itself; None: the searched set
+    # (`turbospec search-layers`, run on first use and cached per model)
+    skip_layers: list[int] | None = None
+    # methods "medusa" / "hydra": the trained head file; None: heads/<model>-<method>.safetensors
+    heads: str | None = None
+    # heads: children tried per expanded node when a request's drafts may branch (1: chains only)
+    tree_branch: int = 4
+    # method "lookahead": Jacobi window length and n-gram size of its pool (spec/lookahead.py)
+    lookahead_window: int = 4
+    lookahead_ngram: int = 3
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     acceptance_estimator: str = DEFAULT_ESTIMATOR  # see control/acceptance.py
@@ -131,6 +142,22 @@ class SpeculativeConfig:
                 raise ValueError(f"{name} must be a number in (0, 1], got {v!r}")
         if self.method == "draft" and not self.model:
             raise ValueError("speculative method 'draft' needs a draft model: add \"model\": \"<name or path>\"")
+        if self.skip_layers is not None:
+            if self.method != "layer-skip":
+                raise ValueError(f"skip_layers only applies to method 'layer-skip', not {self.method!r}")
+            s = self.skip_layers
+            if not isinstance(s, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in s):
+                raise ValueError(f"skip_layers must be a list of layer indices (integers >= 0), got {s!r}")
+        if self.method == "lookahead":
+            _positive("lookahead_window", self.lookahead_window)
+            _positive("lookahead_ngram", self.lookahead_ngram)
+            if self.lookahead_ngram < 2:
+                raise ValueError(f"lookahead_ngram must be >= 2 (a key and what follows it), got "
+                                 f"{self.lookahead_ngram}")
+        if self.method in HEAD_METHODS:
+            _positive("tree_branch", self.tree_branch)
+        elif self.heads is not None:
+            raise ValueError(f"heads only applies to methods {', '.join(HEAD_METHODS)}, not {self.method!r}")
         if self.method == "ngram":
             _positive("prompt_lookup_min", self.prompt_lookup_min)
             _positive("prompt_lookup_max", self.prompt_lookup_max)

@@ -32,6 +32,7 @@ from .spec.factory import build_proposer
 from .spec.ngram import NgramProposer
 from .spec.policies import DRAFT_DISTRIBUTION_POLICIES, LOSSLESS_POLICIES, RELAXES_JS, STOPS_DRAFTING, check_policy
 from .spec.stats import SpecDecodingStats
+from .spec.tree import compaction, verify_tree_greedy, verify_tree_sampled
 from .spec.verifier import synthetic_verify, verify
 
 log = logging.getLogger("turbospec.engine")
@@ -95,6 +96,8 @@ class LLMEngine:
         # positional sampling, llm42 windows and margin-gate checks for requests in a deterministic mode
         self.exact = ExactDecoding(self)
         self._exact_ids: set[str] = set()  # requests this step computes on the invariant path
+        self._tree_paths: dict[str, list[int]] = {}  # this step's accepted tree paths (node indices)
+        self._emit_rows: dict[str, int] = {}  # ... and the row offset that chose each tree request's last token
         self.logit_trace: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] | None = None  # calibration only
         if self.spec_mode == "auto":
             self._ensure_controller(progress)
@@ -413,25 +416,37 @@ class LLMEngine:
             return 0
         # a draft model runs over the tokens it has not seen, then one token per further draft step
         draft_tokens = sum(self.proposer.catch_up_tokens(s.request) + s.num_spec_tokens - 1 for s in spec) \
-            if self.spec is not None and self.spec.method == "draft" else 0
+            if self.proposer.runs_model else 0
         drafts = self.proposer.propose([s.request for s in spec], [s.num_spec_tokens for s in spec])
         for s, d in zip(spec, drafts):
             s.request.spec_token_ids = d.tokens
+            # a chain verifies on the linear path unless the proposer reads the tree's rows (lookahead)
+            keep = d.tree is not None and (not d.tree.is_chain or self.proposer.observes_trees)
+            s.request.spec_tree = d.tree if keep else None
             s.request.spec_draft_probs = d.probs
             s.request.spec_draft_soft, s.request.spec_draft_entropy = d.soft_probs, d.entropies or []
         return draft_tokens
 
     def _update(self, sched: SchedulerOutput, out: ModelOutput) -> list[RequestOutput]:
         checking = {s.request.request_id for s in sched.scheduled if s.request.check_tokens}  # before _verify
+        self._tree_paths, self._emit_rows = {}, {}
         verified = self._verify(sched, out)
         outputs: list[RequestOutput] = []
         now = time.monotonic()
-        for s in sched.scheduled:
+        for i, s in enumerate(sched.scheduled):
             req = s.request
             result = verified.get(req.request_id)
             num_drafts = 0 if req.request_id in checking else len(req.spec_token_ids)  # held tokens are no drafts
             accepted = result[1] if result else 0
             decoding = s.samples and s.num_new_tokens == 1  # before appending: that moves the end
+            if req.request_id in self._tree_paths:  # the accepted branch's K/V moves down to its final positions
+                assert req.spec_tree is not None
+                src, dst = compaction(req.spec_tree, self._tree_paths[req.request_id], s.start + s.num_new_tokens - 1)
+                self.runner.move_kv(req.request_id, src, dst)
+            if result and self.proposer is not None and self.proposer.needs_hidden and req.determinism != "llm42":
+                # heads draft from the hidden state that produced the last token (spec/heads.py)
+                row = out.row_start[i] + self._emit_rows.get(req.request_id, accepted)
+                self.proposer.observe_hidden(req, out.hidden[row], req.num_tokens + len(result[0]))
             if result:  # append first: committing hashes the accepted tokens into the prefix cache
                 try:
                     exact = req.request_id in self._exact_ids
@@ -444,7 +459,7 @@ class LLMEngine:
                     failed = self.fail_request(req.request_id, f"{type(exc).__name__}: {exc}")
                     if failed is not None:
                         outputs.append(failed)
-                    req.spec_token_ids, req.spec_draft_probs = [], None
+                    req.spec_token_ids, req.spec_draft_probs, req.spec_tree = [], None, None
                     continue
             if req.request_id in self._exact_ids and (s.start < len(req.prompt_token_ids) or s.start <= req.num_exact_kv):
                 req.num_exact_kv = s.start + s.num_new_tokens + accepted  # before commit: it reads this
@@ -461,6 +476,7 @@ class LLMEngine:
             if self.controller is not None and self.spec_mode == "auto" and result and req.request_id not in checking:
                 self._observe_acceptance(req, num_drafts, accepted, result[0])
             req.spec_token_ids, req.spec_draft_probs, req.spec_draft_soft, req.spec_draft_entropy = [], None, None, []
+            req.spec_tree = None
         return outputs
 
     def _observe_acceptance(self, req: Request, num_drafts: int, accepted: int,
@@ -487,10 +503,13 @@ class LLMEngine:
         a deterministic mode sample by position (determinism/exact.py), the others by their generators."""
         exact: list[PickedRows] = []
         picked: list[tuple[Request, int, int]] = []
+        trees: list[tuple[Request, int, int]] = []
         for i, s in enumerate(sched.scheduled):
             if out.row_start[i] < 0:
                 continue
-            if s.request.determinism:
+            if s.request.spec_tree is not None and out.num_rows[i] > 1 and not s.request.check_tokens:
+                trees.append((s.request, out.row_start[i], out.num_rows[i]))
+            elif s.request.determinism:
                 invariant = self.runner.batch_invariant or s.request.request_id in self._exact_ids
                 exact.append(PickedRows(s.request, out.row_start[i], out.num_rows[i], s.start + s.num_new_tokens,
                                         invariant))
@@ -499,6 +518,32 @@ class LLMEngine:
         result = self._verify_sampled(picked, out.logits) if picked else {}
         if exact:
             result.update(self.exact.verify(exact, out.logits))
+        if trees:
+            result.update(self._verify_trees(trees, out.logits))
+        return result
+
+    def _verify_trees(self, trees: list[tuple[Request, int, int]], logits: torch.Tensor
+                      ) -> dict[str, tuple[list[tuple[int, dict[int, Logprob] | None]], int]]:
+        """Exact tree acceptance (spec/tree.py) for requests whose drafts branch; records each accepted path
+        (for K/V compaction) and the row that produced the last emitted token (for heads)."""
+        result: dict[str, tuple[list[tuple[int, dict[int, Logprob] | None]], int]] = {}
+        for req, row, n in trees:
+            assert req.spec_tree is not None and len(req.spec_tree) == n - 1
+            rows = logits[row: row + n]
+            argmax = rows.argmax(-1).tolist()
+            if self.proposer is not None:  # lookahead reads its Jacobi window's next guesses here
+                self.proposer.observe_tree(req, req.spec_tree, argmax)
+            if req.generator is None:
+                path, emitted = verify_tree_greedy(req.spec_tree, argmax)
+            else:
+                batch = SamplingBatch.build([req.params] * n, [req.generator] * n, rows.shape[-1], device=rows.device)
+                path, emitted = verify_tree_sampled(req.spec_tree, processed_probs(rows, batch), req.generator)
+            emit_rows = [0] + [node + 1 for node in path]  # the row each emitted token was chosen from
+            logprobs = self._logprobs([req] * len(emitted), rows[torch.tensor(emit_rows, device=rows.device)],
+                                      torch.tensor(emitted, device=rows.device))
+            self._tree_paths[req.request_id] = path
+            self._emit_rows[req.request_id] = emit_rows[-1]
+            result[req.request_id] = (list(zip(emitted, logprobs)), len(path))
         return result
 
     def _verify_sampled(self, picked: list[tuple[Request, int, int]], all_logits: torch.Tensor

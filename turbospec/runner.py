@@ -11,6 +11,7 @@ from .kv.block_manager import BlockManager
 from .kv.kv_cache import KVCache
 from .models.llama import CausalLM
 from .scheduler import SchedulerOutput
+from .spec.tree import TokenTree
 
 
 @dataclass
@@ -36,6 +37,17 @@ class ModelRunner:
         self.device = torch.device(device)
         self._offsets = torch.arange(kv_cache.block_size)
 
+    def move_kv(self, request_id: str, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V at positions `src` of a sequence to positions `dst` in every layer (a token tree's
+        accepted path moves down to consecutive positions)."""
+        if not src:
+            return
+        table = self.slot_table(request_id, max(max(src), max(dst)) + 1)
+        s, d = table[src].to(self.device), table[dst].to(self.device)
+        for k_cache, v_cache in self.kv.layers:
+            k_cache[d] = k_cache[s]
+            v_cache[d] = v_cache[s]
+
     def slot_table(self, request_id: str, length: int) -> torch.Tensor:
         table = torch.tensor(self.blocks.block_table(request_id), dtype=torch.long)
         return (table[:, None] * self.kv.block_size + self._offsets).reshape(-1)[:length]
@@ -48,8 +60,9 @@ class ModelRunner:
             req = s.request
             drafts = req.spec_token_ids[: s.num_spec_tokens] if s.samples else []
             tokens = req.all_token_ids[s.start: s.start + s.num_new_tokens] + drafts
+            tree = req.spec_tree if drafts and req.spec_tree is not None else None
             items.append(SeqInput(req.request_id, tokens, s.start, 1 + len(drafts) if s.samples else 0,
-                                  req.request_id in exact))
+                                  req.request_id in exact, tree))
         return self.run(items)
 
     @torch.inference_mode()
@@ -65,18 +78,31 @@ class ModelRunner:
         sample_rows: list[int] = []
         row_start: list[int] = []
         num_rows: list[int] = []
+        masks: list[torch.Tensor | None] = []
+        tree_positions: list[list[int] | None] = []
         for item in items:
             end = item.start + len(item.tokens)
             base = len(ids)
             ids += item.tokens
-            positions += range(item.start, end)
+            if item.tree is None:
+                positions += range(item.start, end)
+                masks.append(None)
+                tree_positions.append(None)
+            else:  # a token tree after the known tokens: nodes at root + depth, each seeing its ancestors only
+                known = len(item.tokens) - len(item.tree)
+                tree_positions.append(item.tree.positions(item.start + known - 1, known))
+                positions += tree_positions[-1]
+                masks.append(item.tree.attention_mask(known))
             query_lens.append(len(item.tokens))
             context_lens.append(end)
             tables.append(self.slot_table(item.seq_id, end))
             row_start.append(len(sample_rows) if item.num_rows else -1)
             num_rows.append(item.num_rows)
             sample_rows += range(base + len(item.tokens) - item.num_rows, base + len(item.tokens))
-        meta = build_metadata(query_lens, context_lens, tables, invariant=[invariant or it.invariant for it in items])
+        trees = any(m is not None for m in masks)
+        meta = build_metadata(query_lens, context_lens, tables, tree_masks=masks if trees else None,
+                              invariant=[invariant or it.invariant for it in items],
+                              tree_positions=tree_positions if trees else None)
         meta.compute_dtype = self.compute_dtype
         meta = meta.to(self.device) if self.device.type != "cpu" else meta
         hidden = self.model(
@@ -93,3 +119,8 @@ class SeqInput:
     start: int
     num_rows: int  # how many of the last tokens' logits to return (0: none)
     invariant: bool = False  # computed on the batch-invariant path
+    tree: TokenTree | None = None  # the last len(tree) tokens are this tree's nodes (spec/tree.py)
+
+    def __post_init__(self) -> None:
+        if self.tree is not None:
+            assert self.tokens[len(self.tokens) - len(self.tree):] == self.tree.tokens, "tree nodes must end tokens"

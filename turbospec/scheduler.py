@@ -138,6 +138,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.spec_token_ids = []
+        req.spec_tree = None
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)

@@ -6,7 +6,7 @@ chunks, decodes and multi-token verification together, and can hand back hidden 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -100,14 +100,16 @@ class CausalLM(nn.Module):
         return self.embed(input_ids)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache],
+        layer_ids: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, one row per input token."""
+        """Hidden states after the final norm, one row per input token. layer_ids runs only those layers (in
+        order), each with its own KV cache: the layer-skip draft (spec/layer_skip.py)."""
         x = self.embed_tokens(input_ids)
         if meta.compute_dtype is not None:
             x = x.to(meta.compute_dtype)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, positions, meta, kv)
+        for i in range(len(self.layers)) if layer_ids is None else layer_ids:
+            x = self.layers[i](x, positions, meta, kv_caches[i])
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor, invariant: bool = False) -> torch.Tensor:

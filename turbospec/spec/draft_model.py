@@ -48,15 +48,26 @@ class _Pending:
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: str, thresholds: AdaptiveThresholds | None = None) -> None:
-        self.model = loaded
+    # the engine counts catch-up + k - 1 draft-model tokens per drafting request for the step-time model
+    runs_model = True
+    model: LoadedModel | None = None  # the separate draft model (None when the target drafts for itself)
+
+    def __init__(self, runner: ModelRunner, thresholds: AdaptiveThresholds | None = None) -> None:
+        self.runner = runner
+        self.blocks = runner.blocks
         self.thresholds = thresholds or AdaptiveThresholds.fresh()  # AdaSD's, shared with the engine
-        self.kv = KVCache.allocate(loaded.config, num_blocks, block_size, dtype, device)
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(loaded.model, self.kv, self.blocks, device)
         self.computed: dict[str, int] = {}
         self.pending: dict[str, _Pending] = {}
+
+    @classmethod
+    def for_model(cls, loaded: LoadedModel, num_blocks: int, block_size: int, dtype: torch.dtype, device: str,
+                  thresholds: AdaptiveThresholds | None = None) -> DraftModelProposer:
+        """A separate draft model with its own paged KV cache (as many blocks as the target's)."""
+        kv = KVCache.allocate(loaded.config, num_blocks, block_size, dtype, device)
+        blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        proposer = cls(ModelRunner(loaded.model, kv, blocks, device), thresholds)
+        proposer.model = loaded
+        return proposer
 
     def _reserve(self, req: Request, k: int) -> bool:
         """Slots for every known token plus k - 1 drafts; False when the draft's cache is full."""

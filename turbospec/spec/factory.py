@@ -2,26 +2,69 @@
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..config import SpeculativeConfig
+from ..config import HEAD_METHODS, SpeculativeConfig
 from ..models.loader import load_model
 from .draft_model import DraftModelProposer, check_same_vocabulary
+from .head_proposer import HeadProposer
+from .heads import DraftHeads, head_path
+from .layer_search import load_or_search
+from .layer_skip import LayerSkipProposer
+from .lookahead import LookaheadProposer
 from .ngram import NgramProposer
 from .proposer import Proposer
 
 if TYPE_CHECKING:
     from ..engine import LLMEngine
 
+log = logging.getLogger(__name__)
+
 
 def build_proposer(spec: SpeculativeConfig, engine: LLMEngine, progress: bool = True) -> Proposer:
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "lookahead":
+        return LookaheadProposer(spec.lookahead_window, spec.lookahead_ngram)
+    if spec.method in HEAD_METHODS:
+        return _head_proposer(spec, engine)
+    if spec.method == "layer-skip":
+        skip = spec.skip_layers
+        if skip is None:
+            plan = load_or_search(engine, progress)
+            log.info("layer-skip draft skips layers %s (searched: acceptance %.2f, cost %.2f of a step)",
+                     plan.skip, plan.agreement, plan.cost_fraction)
+            skip = plan.skip
+        return LayerSkipProposer(engine.runner, skip, engine.adaptive_thresholds)
     assert spec.model is not None
     draft = load_model(spec.model, engine.dtype, engine.config.device, progress=progress)
     check_same_vocabulary(engine.tokenizer, draft.tokenizer, spec.model)
     if draft.config.vocab_size != engine.model_config.vocab_size:
         raise ValueError(f"draft model {spec.model!r} has {draft.config.vocab_size} embedding rows, the target "
                          f"{engine.model_config.vocab_size}: their logits cannot be compared")
-    return DraftModelProposer(draft, engine.kv.num_blocks, engine.config.block_size, engine.dtype,
+    return DraftModelProposer.for_model(draft, engine.kv.num_blocks, engine.config.block_size, engine.dtype,
                               engine.config.device, engine.adaptive_thresholds)
+
+
+def _head_proposer(spec: SpeculativeConfig, engine: LLMEngine) -> HeadProposer:
+    path = Path(spec.heads) if spec.heads else head_path(engine.config.model, spec.method)
+    if not path.exists():
+        raise ValueError(f"no trained {spec.method} heads at {path}: train them with `turbospec train-head --model "
+                         f"{engine.config.model} --method {spec.method}` or give \"heads\": \"<file>\"")
+    heads, extra = DraftHeads.load(path, engine.dtype)
+    cfg, model = heads.config, engine.loaded.model
+    if cfg.method != spec.method:
+        raise ValueError(f"{path} holds {cfg.method} heads, not {spec.method}")
+    if cfg.hidden_size != engine.model_config.hidden_size or cfg.vocab_size != engine.model_config.vocab_size:
+        raise ValueError(f"{path} was trained for a model with hidden size {cfg.hidden_size} and {cfg.vocab_size} "
+                         f"tokens; this one has {engine.model_config.hidden_size} and {engine.model_config.vocab_size}")
+    if cfg.model != engine.config.model:
+        log.warning("heads in %s were trained for %s, not %s: drafts may be poor (output stays exact)", path,
+                    cfg.model, engine.config.model)
+    lm_weight = model.embed.weight if model.lm_head is None else model.lm_head.weight
+    heads.attach(lm_weight, model.embed.weight)
+    log.info("%s: %d heads (rank %d, %d draft tokens) from %s", cfg.method, cfg.num_heads, cfg.rank,
+             len(heads.vocab), path)
+    return HeadProposer(heads, branch=spec.tree_branch, beam=spec.tree_branch)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..request import Request
+from .tree import TokenTree
 
 
 @dataclass
@@ -20,9 +21,18 @@ class Draft:
     # (untempered softmax for greedy requests) and their entropies in nats. None when no policy asked.
     soft_probs: torch.Tensor | None = None
     entropies: list[float] | None = None
+    # when the candidates branch: their tree, whose nodes in order are `tokens` (spec/tree.py); None for a chain
+    tree: TokenTree | None = None
 
 
 class Proposer(ABC):
+    # True when drafting runs a model token by token (its time is the step-time model's "draft" part)
+    runs_model = False
+    # True when the proposer drafts from the target's hidden state (heads): the engine calls observe_hidden
+    needs_hidden = False
+    # True when the proposer reads observe_tree: its chains are verified as one-branch trees too
+    observes_trees = False
+
     @abstractmethod
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Draft]:
         """Draft at most num_tokens[i] tokens for requests[i] (fewer, even none, is allowed)."""
@@ -30,6 +40,13 @@ class Proposer(ABC):
     def catch_up_tokens(self, request: Request) -> int:
         """Tokens of this request a model-based proposer has not run over yet (its prompt, the first time)."""
         return 0
+
+    def observe_hidden(self, request: Request, hidden: torch.Tensor, num_tokens: int) -> None:
+        """The target's final hidden state [H] at the row that chose the request's last token, once it has
+        num_tokens tokens (heads draft what follows from it)."""
+
+    def observe_tree(self, request: Request, tree: TokenTree, argmax: list[int]) -> None:
+        """The target's argmax at the root (argmax[0]) and at every node of the request's verified tree."""
 
     def on_verified(self, request: Request, num_accepted: int) -> None:
         """Called after the target verified this request's draft and committed num_accepted of its tokens."""

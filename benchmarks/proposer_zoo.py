@@ -1,0 +1,246 @@
+"""The proposer zoo side by side (seed 003's table): every speculative method on the same prompts, one run.
+
+Single stream, greedy, chat template, at most --max-tokens answer tokens, for each target model on the first
+MT-Bench turns and on HumanEval (the task's prompt pre-filled in a code fence, as benchmarks/adaptive_acceptance.py
+does). Rows:
+- plain: turbospec without speculation (the speedup baseline);
+- SPS: a smaller draft model with the same tokenizer (qwen2.5-coder-0.5b for the 1.5b; none is packaged for SmolLM2);
+- PLD: prompt lookup, k fixed; layer-skip: the searched set (turbospec search-layers), k = the search's best;
+- Medusa, Hydra: our committed heads (heads/), trees of up to k nodes;
+- adaptive: the goodput controller choosing k on top of the best fixed row of the same run;
+- HF transformers: plain, its prompt lookup, and assisted generation with the same draft where one exists;
+- rows for methods that do not run here yet (EAGLE, lookahead, DART) say what is missing.
+Columns per data set: tokens/s (generated tokens over wall time, prefill included), speedup over the same
+engine's plain row, tau (tokens per verification step) and whether the output equals plain decoding.
+
+    .venv/bin/python benchmarks/proposer_zoo.py                       # full run (about an hour here)
+    .venv/bin/python benchmarks/proposer_zoo.py --models smollm2-135m --prompts 1 --max-tokens 16 --out /tmp/zoo
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from turbospec import LLM, SamplingParams
+from turbospec.bench.humaneval import answer_prefix, load_humaneval
+from turbospec.bench.humaneval import chat_messages as humaneval_messages
+from turbospec.bench.machine import benchmark_meta, save_results
+from turbospec.bench.prompts import load_mtbench
+from turbospec.models.registry import pull
+
+DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
+FIXED = ("sps", "pld", "layer-skip", "medusa", "hydra")
+MISSING = {
+    "lookahead": "not built yet: needs a Jacobi lookahead branch in the verification forward (the tree path is there)",
+    "eagle": "not built yet: needs a one-layer draft model over fused target features, its KV cache and training",
+    "dart": "not built yet: needs a multi-position draft layer and an n-gram trie to prune its tree",
+}
+
+
+def datasets(model: str, n: int) -> dict[str, list[list[int]]]:
+    from turbospec.models.loader import load_model
+
+    tok = load_model(model, "bfloat16", progress=False).tokenizer
+    mt = [tok.apply_chat_template([{"role": "user", "content": p.text}]) for p in load_mtbench(n)]
+    he = [tok.apply_chat_template(humaneval_messages(t)) + tok.encode(answer_prefix(t), add_special_tokens=False)
+          for t in load_humaneval(n)]
+    return {"mt-bench": mt, "humaneval": he}
+
+
+def spec_config(row: str, model: str, args: argparse.Namespace) -> dict[str, Any] | None:
+    k = args.k
+    if row == "plain":
+        return None
+    if row == "sps":
+        return {"method": "draft", "model": DRAFTS[model], "num_speculative_tokens": k}
+    if row == "pld":
+        return {"method": "ngram", "num_speculative_tokens": k}
+    if row == "layer-skip":
+        return {"method": "layer-skip", "num_speculative_tokens": args.layer_skip_k}
+    return {"method": row, "num_speculative_tokens": args.tree_nodes}
+
+
+def run_turbospec(args: argparse.Namespace, model: str, row: str, spec: dict[str, Any] | None,
+                  data: dict[str, list[list[int]]]) -> dict[str, Any]:
+    llm = LLM(model, dtype=args.dtype, num_threads=args.threads, max_model_len=args.max_model_len,
+              speculative_config=spec, progress=False, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    llm.generate({"prompt_token_ids": data["mt-bench"][0]}, SamplingParams(temperature=0, max_tokens=4),
+                 use_tqdm=False)  # warm-up
+    result: dict[str, Any] = {"model": model, "row": row, "engine": "turbospec", "spec": spec, "sets": {}}
+    for name, prompts in data.items():
+        llm.engine.reset_spec_stats()
+        outputs, seconds = [], 0.0
+        bar = tqdm(prompts, desc=f"{model} {row} {name}", unit="prompt")
+        for ids in bar:
+            start = time.perf_counter()
+            out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+            seconds += time.perf_counter() - start
+            outputs.append(out.outputs[0].token_ids)
+            bar.set_postfix(tok_s=f"{sum(map(len, outputs)) / seconds:.2f}")
+        stats = llm.spec_stats()
+        result["sets"][name] = {"outputs": outputs, "seconds": seconds, "tokens": sum(map(len, outputs)),
+                                "tau": stats.get("mean_accepted_length") or None, "mean_k": stats.get("mean_k"),
+                                "k_histogram": stats.get("k_histogram")}
+    del llm
+    gc.collect()
+    return result
+
+
+def run_hf(args: argparse.Namespace, model: str, data: dict[str, list[list[int]]]) -> list[dict[str, Any]]:
+    from transformers import AutoModelForCausalLM
+
+    from turbospec.models.loader import load_model
+
+    dtype = getattr(torch, args.dtype)
+
+    def load(name: str) -> Any:
+        path = pull(name, progress=False)
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+
+    target = load(model)
+    eos = list(load_model(model, "bfloat16", progress=False).tokenizer.eos_token_ids)
+    variants: dict[str, dict[str, Any]] = {"hf-plain": {}, "hf-prompt-lookup": {"prompt_lookup_num_tokens": args.k}}
+    if model in DRAFTS:
+        variants["hf-assisted"] = {"assistant_model": load(DRAFTS[model])}
+    rows = []
+    for row, extra in variants.items():
+        result: dict[str, Any] = {"model": model, "row": row, "engine": "hf", "spec": None, "sets": {}}
+        for name, prompts in data.items():
+            outputs, seconds = [], 0.0
+            bar = tqdm(prompts, desc=f"{model} {row} {name}", unit="prompt")
+            for ids in bar:
+                x = torch.tensor([ids])
+                start = time.perf_counter()
+                with torch.inference_mode():
+                    gen = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.max_tokens,
+                                          do_sample=False, eos_token_id=eos, pad_token_id=eos[0], **extra)
+                seconds += time.perf_counter() - start
+                outputs.append([t for t in gen[0, len(ids):].tolist() if t not in eos])
+                bar.set_postfix(tok_s=f"{sum(map(len, outputs)) / seconds:.2f}")
+            result["sets"][name] = {"outputs": outputs, "seconds": seconds, "tokens": sum(map(len, outputs)),
+                                    "tau": None}
+        rows.append(result)
+    del target, variants
+    gc.collect()
+    return rows
+
+
+def summarise(rows: list[dict[str, Any]]) -> None:
+    for r in rows:
+        plain = next(p for p in rows if p["model"] == r["model"] and p["row"] == ("plain" if r["engine"] == "turbospec"
+                                                                                   else "hf-plain"))
+        for name, s in r["sets"].items():
+            base = plain["sets"][name]
+            s["tok_s"] = s["tokens"] / s["seconds"]
+            s["speedup"] = s["tok_s"] / (base["tokens"] / base["seconds"])
+            s["matches_plain"] = sum(a == b for a, b in zip(s["outputs"], base["outputs"])) / len(base["outputs"])
+
+
+LABELS = {"plain": "plain (turbospec)", "sps": "SPS (draft model)", "pld": "PLD (prompt lookup)",
+          "layer-skip": "layer-skip (Self-SpecDec)", "medusa": "Medusa (our heads, tree)",
+          "hydra": "Hydra (our heads, tree)", "adaptive": "adaptive controller on the best fixed row",
+          "hf-plain": "HF transformers plain", "hf-prompt-lookup": "HF prompt lookup",
+          "hf-assisted": "HF assisted generation", "lookahead": "lookahead", "eagle": "EAGLE", "dart": "DART"}
+
+
+def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "# The proposer zoo: single-stream greedy speedups (seed 003's table, on this CPU)", "",
+        f"- command: `{meta['command']}`",
+        f"- machine: {meta['machine']}, {meta['threads']} threads, torch {meta['torch']}",
+        f"- date: {meta['date']}, commit {meta['commit']}",
+        (f"- {meta['dtype']}, greedy, batch 1, chat template, at most {meta['max_tokens']} tokens; the first "
+         f"{meta['prompts']} MT-Bench first turns and the first {meta['prompts']} HumanEval tasks (prompt pre-filled "
+         f"in a code fence); k = {meta['k']} for SPS and PLD, {meta['tree_nodes']} tree nodes for the heads, "
+         f"layer-skip k = {meta['layer_skip_k']}; speedup over the same engine's plain row"), "",
+        "| model | method | MT-Bench tok/s | speedup | tau | HumanEval tok/s | speedup | tau | = plain |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "missing" in r:
+            lines.append(f"| {r['model']} | {LABELS[r['row']]} | - | - | - | - | - | - | {r['missing']} |")
+            continue
+        cells = []
+        for name in ("mt-bench", "humaneval"):
+            s = r["sets"][name]
+            cells += [f"{s['tok_s']:.2f}", f"{s['speedup']:.2f}x", f"{s['tau']:.2f}" if s.get("tau") else "-"]
+        same = min(s["matches_plain"] for s in r["sets"].values())
+        label = LABELS[r["row"]] + (f" ({r['best']})" if r.get("best") else "")
+        lines.append(f"| {r['model']} | {label} | {' | '.join(cells)} | {same:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-1.5b")
+    ap.add_argument("--prompts", type=int, default=0, help="prompts per data set (0: 10 for small models, 4 for 1.5b)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4, help="draft tokens per step for SPS and PLD")
+    ap.add_argument("--tree-nodes", type=int, default=8, help="tree nodes per step for Medusa and Hydra")
+    ap.add_argument("--layer-skip-k", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results/proposer_zoo")
+    ap.add_argument("--resume", action="store_true", help="keep the rows a stopped run saved in OUT.partial.json")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(".partial.json")
+    rows: list[dict[str, Any]] = json.loads(partial.read_text()) if args.resume and partial.exists() else []
+
+    def have(model: str, row: str) -> bool:
+        return any(r["model"] == model and r["row"] == row for r in rows)
+
+    def save(row: dict[str, Any] | list[dict[str, Any]]) -> None:
+        rows.extend(row if isinstance(row, list) else [row])
+        partial.write_text(json.dumps(rows))
+
+    counts = {}
+    for model in args.models.split(","):
+        n = args.prompts or (4 if "1.5b" in model else 10)
+        counts[model] = n
+        data = datasets(model, n)
+        for row in ("plain", *FIXED):
+            if have(model, row):
+                continue
+            if row == "sps" and model not in DRAFTS:
+                save({"model": model, "row": row, "missing": "no smaller model with this tokenizer is packaged"})
+                continue
+            save(run_turbospec(args, model, row, spec_config(row, model, args), data))
+        if not have(model, "adaptive"):
+            fixed = [r for r in rows if r["model"] == model and r["row"] in FIXED and "sets" in r]
+            plain = next(r for r in rows if r["model"] == model and r["row"] == "plain")
+            def speed(r: dict[str, Any]) -> float:  # mean speedup over the data sets (the same prompts)
+                return sum(plain["sets"][s]["seconds"] / r["sets"][s]["seconds"] for s in r["sets"])
+
+            best = max(fixed, key=speed)
+            spec = {**best["spec"], "num_speculative_tokens": "auto"}
+            adaptive = run_turbospec(args, model, "adaptive", spec, data)
+            adaptive["best"] = best["row"]
+            save(adaptive)
+        if not args.skip_hf and not have(model, "hf-plain"):
+            save(run_hf(args, model, data))
+        for row, why in MISSING.items():
+            if not have(model, row):
+                save({"model": model, "row": row, "missing": why})
+    summarise([r for r in rows if "sets" in r])
+    meta = benchmark_meta(args.threads, dtype=args.dtype, max_tokens=args.max_tokens,
+                          prompts=", ".join(f"{m}: {n}" for m, n in counts.items()), k=args.k,
+                          tree_nodes=args.tree_nodes, layer_skip_k=args.layer_skip_k)
+    save_results(out, meta, rows, markdown(meta, rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Medusa / Hydra heads: the file format and the frozen LM head, the training pipeline (cached answers, resumable
+checkpoints), the tree the proposer grows, and the committed heads: exact greedy output with real acceptance."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from spec_prompts import SPEC_PROMPTS
+
+from turbospec import LLM, SamplingParams
+from turbospec.spec.head_proposer import HeadProposer
+from turbospec.spec.head_training import TrainHeadOptions, train_heads, work_dir
+from turbospec.spec.heads import HEADS_DIR, DraftHeads, HeadConfig, head_path
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def plain() -> LLM:
+    return LLM(MODEL, dtype="float32", num_threads=1, max_model_len=512, kv_cache_memory_gib=0.1, progress=False)
+
+
+def test_untrained_medusa_head_is_the_lm_head_on_the_draft_vocabulary(plain, tmp_path):
+    """W2 starts at zero, so every head's logits are the target's own logits on the draft vocabulary; saving and
+    loading keeps the weights and the vocabulary."""
+    model = plain.engine.loaded.model
+    cfg = plain.engine.model_config
+    vocab = torch.tensor([3, 17, 198, 1000, 4000, 30000])
+    heads = DraftHeads(HeadConfig("medusa", 2, cfg.hidden_size, 32, MODEL, cfg.vocab_size), vocab)
+    heads.attach(model.embed.weight, model.embed.weight)
+    h = torch.randn(5, cfg.hidden_size)
+    want = model.compute_logits(h)[:, vocab]
+    for i in range(2):
+        torch.testing.assert_close(heads.logits(heads.step(i, h, h, None)), want)
+    heads.w2[1].weight.data.normal_()
+    heads.save(tmp_path / "h.safetensors", {"note": "x"})
+    loaded, extra = DraftHeads.load(tmp_path / "h.safetensors")
+    assert extra == {"note": "x"} and torch.equal(loaded.vocab, vocab)
+    assert torch.equal(loaded.w2[1].weight, heads.w2[1].weight.to(torch.bfloat16).float())
+    assert set(loaded.state_dict()) == {f"w{j}.{i}.{p}" for j in (1, 2) for i in range(2) for p in ("weight", "bias")}
+
+
+def test_training_pipeline_caches_answers_and_resumes(plain, tmp_path, monkeypatch):
+    monkeypatch.setenv("TURBOSPEC_HOME", str(tmp_path / "home"))
+    opts = TrainHeadOptions("hydra", num_heads=2, num_prompts=6, max_tokens=12, draft_vocab=512, budget_minutes=5,
+                            epochs=3, batch_size=16, checkpoint_every=2, generate_batch=4)
+    out = tmp_path / "hydra.safetensors"
+    report = train_heads(plain.engine, opts, out, progress=False)
+    answers = list(work_dir(MODEL).glob("answers-*.jsonl"))
+    assert len(answers) == 1 and len(answers[0].read_text().splitlines()) == 6
+    assert report["complete"] and report["steps"] == report["total_steps"] > 0
+    assert report["prompts"] == 6 and 0 <= min(report["heldout_top1_accuracy"]) <= 1
+    heads, extra = DraftHeads.load(out)
+    assert heads.config.method == "hydra" and heads.config.num_heads == 2 and len(heads.vocab) <= 512
+    assert extra["data"].startswith("sharegpt[1000:1006]")
+    assert not plain.engine.has_unfinished_requests()
+    assert (work_dir(MODEL) / "checkpoint-hydra.pt").exists()
+    # a second run reuses the answers (no generation) and, resumed, starts from the checkpoint's step
+    monkeypatch.setattr(plain.engine, "add_request", lambda *a, **k: pytest.fail("answers were regenerated"))
+    again = train_heads(plain.engine, opts, out, resume=True, progress=False)
+    assert again["steps"] == again["total_steps"]
+
+
+def test_proposer_grows_prefix_closed_trees_and_chains_for_deterministic_requests(plain):
+    model = plain.engine.loaded.model
+    cfg = plain.engine.model_config
+    heads = DraftHeads(HeadConfig("hydra", 3, cfg.hidden_size, 32, MODEL, cfg.vocab_size), torch.arange(2000))
+    for w in heads.w2:
+        w.weight.data.normal_(std=0.05)
+    heads.attach(model.embed.weight, model.embed.weight)
+    proposer = HeadProposer(heads, branch=3, beam=3)
+    engine = plain.engine
+    rid = engine.add_request("Hello there", SamplingParams(temperature=0, max_tokens=4))
+    req = engine.requests[rid]
+    proposer.observe_hidden(req, torch.randn(cfg.hidden_size), req.num_tokens)
+    draft = proposer.propose([req], [7])[0]
+    assert draft.tree is not None and len(draft.tree) == 7 and draft.tokens == draft.tree.tokens
+    assert max(draft.tree.depth) <= 3 and draft.tree.parents.count(-1) >= 2
+    assert all(t < 2000 for t in draft.tokens)  # draft vocabulary only
+    proposer.observe_hidden(req, torch.randn(cfg.hidden_size), req.num_tokens + 1)  # stale: no draft
+    assert proposer.propose([req], [7])[0].tokens == []
+    req.determinism = "batch-invariant"
+    proposer.observe_hidden(req, torch.randn(cfg.hidden_size), req.num_tokens)
+    chain = proposer.propose([req], [7])[0]
+    assert chain.tree is None and len(chain.tokens) == 3  # one path, as deep as the heads go
+    engine.abort_request(rid)
+
+
+@pytest.mark.parametrize("method", ["medusa", "hydra"])
+def test_committed_heads_are_exact_and_accepted(plain, method):
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in plain.generate(SPEC_PROMPTS, greedy, use_tqdm=False)]
+    llm = LLM(MODEL, dtype="float32", num_threads=1, max_model_len=512, kv_cache_memory_gib=0.1, progress=False,
+              speculative_config={"method": method, "num_speculative_tokens": 8})
+    proposer = llm.engine.proposer
+    assert isinstance(proposer, HeadProposer)
+    trees = []
+    real = proposer.propose
+    proposer.propose = lambda reqs, ks: [trees.append(d.tree is not None) or d for d in real(reqs, ks)]
+    got = [o.outputs[0].token_ids for o in llm.generate(SPEC_PROMPTS, greedy, use_tqdm=False)]
+    assert got == want
+    stats = llm.spec_stats()
+    print(method, stats["mean_accepted_length"])
+    assert sum(trees) > 10 and stats["mean_accepted_length"] >= 1.5, stats  # trained heads, not noise
+    assert llm.engine.blocks.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_committed_heads_fit_the_repository_budget():
+    files = sorted(HEADS_DIR.glob("*.safetensors"))
+    assert {f.name for f in files} >= {f"{MODEL}-medusa.safetensors", f"{MODEL}-hydra.safetensors"}
+    assert sum(f.stat().st_size for f in files) < 50 * 2**20
+
+
+def test_missing_or_mismatched_heads_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="no trained medusa heads at .*turbospec train-head --model smollm2-135m"):
+        LLM(MODEL, dtype="float32", max_model_len=128, kv_cache_memory_gib=0.05, progress=False,
+            speculative_config={"method": "medusa", "heads": str(tmp_path / "none.safetensors")})
+    DraftHeads(HeadConfig("hydra", 1, 64, 16, "other", 100), torch.arange(10)).save(tmp_path / "small.safetensors", {})
+    with pytest.raises(ValueError, match="trained for a model with hidden size 64 and 100 tokens"):
+        LLM(MODEL, dtype="float32", max_model_len=128, kv_cache_memory_gib=0.05, progress=False,
+            speculative_config={"method": "hydra", "heads": str(tmp_path / "small.safetensors")})
+    with pytest.raises(ValueError, match="holds hydra heads, not medusa"):
+        LLM(MODEL, dtype="float32", max_model_len=128, kv_cache_memory_gib=0.05, progress=False,
+            speculative_config={"method": "medusa", "heads": str(tmp_path / "small.safetensors")})
+    with pytest.raises(ValueError, match="heads only applies to methods medusa, hydra"):
+        LLM(MODEL, speculative_config={"method": "ngram", "heads": "x"})
+    with pytest.raises(ValueError, match="tree_branch must be an integer >= 1"):
+        LLM(MODEL, speculative_config={"method": "medusa", "tree_branch": 0})
+
+
+@pytest.mark.parametrize("flags, message", [(["--method", "eagle"], "invalid choice: 'eagle'"),
+                                            (["--method", "medusa", "--num-heads", "0"], "--num-heads must be >= 1"),
+                                            (["--method", "hydra", "--budget-minutes", "0"],
+                                             "--budget-minutes must be > 0")])
+def test_cli_train_head_refuses_bad_flags(flags, message):
+    run = subprocess.run([sys.executable, "-m", "turbospec.cli", "train-head", "--model", MODEL, *flags],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and message in run.stderr, run.stderr
+
+
+def test_head_path_names_the_model_and_method():
+    assert head_path(MODEL, "hydra") == Path(HEADS_DIR) / "smollm2-135m-hydra.safetensors"
