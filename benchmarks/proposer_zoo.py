@@ -5,11 +5,12 @@ MT-Bench turns and on HumanEval (the task's prompt pre-filled in a code fence, a
 does). Rows:
 - plain: turbospec without speculation (the speedup baseline);
 - SPS: a smaller draft model with the same tokenizer (qwen2.5-coder-0.5b for the 1.5b; none is packaged for SmolLM2);
-- PLD: prompt lookup, k fixed; layer-skip: the searched set (turbospec search-layers), k = the search's best;
-- Medusa, Hydra: our committed heads (heads/), trees of up to k nodes;
+- PLD: prompt lookup, k fixed; lookahead: Jacobi window + n-gram pool, trees of up to k nodes;
+- layer-skip: the searched set (turbospec search-layers);
+- Medusa, Hydra, EAGLE: our committed heads and draft layer (heads/), trees of up to k nodes;
 - adaptive: the goodput controller choosing k on top of the best fixed row of the same run;
 - HF transformers: plain, its prompt lookup, and assisted generation with the same draft where one exists;
-- rows for methods that do not run here yet (EAGLE, lookahead, DART) say what is missing.
+- a row for DART, which does not run here yet, says what is missing.
 Columns per data set: tokens/s (generated tokens over wall time, prefill included), speedup over the same
 engine's plain row, tau (tokens per verification step) and whether the output equals plain decoding.
 
@@ -38,11 +39,10 @@ from turbospec.bench.prompts import load_mtbench
 from turbospec.models.registry import pull
 
 DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
-FIXED = ("sps", "pld", "layer-skip", "medusa", "hydra")
+FIXED = ("sps", "pld", "lookahead", "layer-skip", "medusa", "hydra", "eagle")
 MISSING = {
-    "lookahead": "not built yet: needs a Jacobi lookahead branch in the verification forward (the tree path is there)",
-    "eagle": "not built yet: needs a one-layer draft model over fused target features, its KV cache and training",
-    "dart": "not built yet: needs a multi-position draft layer and an n-gram trie to prune its tree",
+    "dart": "not built yet: needs a draft layer that predicts several masked positions at once, and an n-gram trie "
+            "to prune its tree",
 }
 
 
@@ -64,6 +64,8 @@ def spec_config(row: str, model: str, args: argparse.Namespace) -> dict[str, Any
         return {"method": "draft", "model": DRAFTS[model], "num_speculative_tokens": k}
     if row == "pld":
         return {"method": "ngram", "num_speculative_tokens": k}
+    if row == "lookahead":
+        return {"method": "lookahead", "num_speculative_tokens": args.tree_nodes}
     if row == "layer-skip":
         return {"method": "layer-skip", "num_speculative_tokens": args.layer_skip_k}
     return {"method": row, "num_speculative_tokens": args.tree_nodes}
@@ -109,9 +111,12 @@ def run_hf(args: argparse.Namespace, model: str, data: dict[str, list[list[int]]
 
     target = load(model)
     eos = list(load_model(model, "bfloat16", progress=False).tokenizer.eos_token_ids)
-    variants: dict[str, dict[str, Any]] = {"hf-plain": {}, "hf-prompt-lookup": {"prompt_lookup_num_tokens": args.k}}
+    # the peer row: assisted generation with the same draft where one exists, else its prompt lookup mode
+    variants: dict[str, dict[str, Any]] = {"hf-plain": {}}
     if model in DRAFTS:
         variants["hf-assisted"] = {"assistant_model": load(DRAFTS[model])}
+    else:
+        variants["hf-prompt-lookup"] = {"prompt_lookup_num_tokens": args.k}
     rows = []
     for row, extra in variants.items():
         result: dict[str, Any] = {"model": model, "row": row, "engine": "hf", "spec": None, "sets": {}}
@@ -148,9 +153,10 @@ def summarise(rows: list[dict[str, Any]]) -> None:
 
 LABELS = {"plain": "plain (turbospec)", "sps": "SPS (draft model)", "pld": "PLD (prompt lookup)",
           "layer-skip": "layer-skip (Self-SpecDec)", "medusa": "Medusa (our heads, tree)",
-          "hydra": "Hydra (our heads, tree)", "adaptive": "adaptive controller on the best fixed row",
+          "hydra": "Hydra (our heads, tree)", "eagle": "EAGLE-style (our draft layer, tree)",
+          "lookahead": "lookahead (tree)", "adaptive": "adaptive controller on the best fixed row",
           "hf-plain": "HF transformers plain", "hf-prompt-lookup": "HF prompt lookup",
-          "hf-assisted": "HF assisted generation", "lookahead": "lookahead", "eagle": "EAGLE", "dart": "DART"}
+          "hf-assisted": "HF assisted generation", "dart": "DART"}
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -161,7 +167,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"- date: {meta['date']}, commit {meta['commit']}",
         (f"- {meta['dtype']}, greedy, batch 1, chat template, at most {meta['max_tokens']} tokens; the first "
          f"{meta['prompts']} MT-Bench first turns and the first {meta['prompts']} HumanEval tasks (prompt pre-filled "
-         f"in a code fence); k = {meta['k']} for SPS and PLD, {meta['tree_nodes']} tree nodes for the heads, "
+         f"in a code fence); k = {meta['k']} for SPS and PLD, {meta['tree_nodes']} tree nodes for lookahead and the "
+         f"heads, "
          f"layer-skip k = {meta['layer_skip_k']}; speedup over the same engine's plain row"), "",
         "| model | method | MT-Bench tok/s | speedup | tau | HumanEval tok/s | speedup | tau | = plain |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -186,7 +193,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=0, help="prompts per data set (0: 10 for small models, 4 for 1.5b)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step for SPS and PLD")
-    ap.add_argument("--tree-nodes", type=int, default=8, help="tree nodes per step for Medusa and Hydra")
+    ap.add_argument("--tree-nodes", type=int, default=8, help="tree nodes per step (lookahead, Medusa, Hydra, EAGLE)")
     ap.add_argument("--layer-skip-k", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=os.cpu_count())

@@ -12,7 +12,8 @@ import torch
 from spec_prompts import SPEC_PROMPTS
 
 from turbospec import LLM, SamplingParams
-from turbospec.spec.head_proposer import HeadProposer
+from turbospec.spec.eagle import EagleConfig, EagleDraft, default_feature_layers
+from turbospec.spec.head_proposer import EagleProposer, HeadProposer, TreeDrafter
 from turbospec.spec.head_training import TrainHeadOptions, train_heads, work_dir
 from turbospec.spec.heads import HEADS_DIR, DraftHeads, HeadConfig, head_path
 
@@ -44,6 +45,19 @@ def test_untrained_medusa_head_is_the_lm_head_on_the_draft_vocabulary(plain, tmp
     assert extra == {"note": "x"} and torch.equal(loaded.vocab, vocab)
     assert torch.equal(loaded.w2[1].weight, heads.w2[1].weight.to(torch.bfloat16).float())
     assert set(loaded.state_dict()) == {f"w{j}.{i}.{p}" for j in (1, 2) for i in range(2) for p in ("weight", "bias")}
+
+
+def test_eagle_training_pipeline(plain, tmp_path, monkeypatch):
+    from turbospec.spec.eagle_training import train_eagle
+
+    monkeypatch.setenv("TURBOSPEC_HOME", str(tmp_path / "home"))
+    opts = TrainHeadOptions("eagle", num_heads=2, num_prompts=4, max_tokens=10, draft_vocab=256, budget_minutes=5,
+                            epochs=2, batch_size=8, generate_batch=4)
+    report = train_eagle(plain.engine, opts, tmp_path / "eagle.safetensors", progress=False)
+    assert report["complete"] and report["steps"] > 0 and report["feature_layers"] == default_feature_layers(30)
+    draft, extra = EagleDraft.load(tmp_path / "eagle.safetensors")
+    assert draft.config.depth == 2 and draft.config.window == 16 and extra["prompts"] == 4
+    assert plain.engine.loaded.model.capture_layers == ()  # features were captured only while collecting them
 
 
 def test_training_pipeline_caches_answers_and_resumes(plain, tmp_path, monkeypatch):
@@ -78,28 +92,69 @@ def test_proposer_grows_prefix_closed_trees_and_chains_for_deterministic_request
     engine = plain.engine
     rid = engine.add_request("Hello there", SamplingParams(temperature=0, max_tokens=4))
     req = engine.requests[rid]
-    proposer.observe_hidden(req, torch.randn(cfg.hidden_size), req.num_tokens)
+    proposer.observe_hidden(req, torch.randn(1, cfg.hidden_size), [1], req.num_tokens)
     draft = proposer.propose([req], [7])[0]
     assert draft.tree is not None and len(draft.tree) == 7 and draft.tokens == draft.tree.tokens
     assert max(draft.tree.depth) <= 3 and draft.tree.parents.count(-1) >= 2
     assert all(t < 2000 for t in draft.tokens)  # draft vocabulary only
-    proposer.observe_hidden(req, torch.randn(cfg.hidden_size), req.num_tokens + 1)  # stale: no draft
+    proposer.observe_hidden(req, torch.randn(1, cfg.hidden_size), [1], req.num_tokens + 1)  # stale: no draft
     assert proposer.propose([req], [7])[0].tokens == []
     req.determinism = "batch-invariant"
-    proposer.observe_hidden(req, torch.randn(cfg.hidden_size), req.num_tokens)
+    proposer.observe_hidden(req, torch.randn(1, cfg.hidden_size), [1], req.num_tokens)
     chain = proposer.propose([req], [7])[0]
     assert chain.tree is None and len(chain.tokens) == 3  # one path, as deep as the heads go
     engine.abort_request(rid)
 
 
-@pytest.mark.parametrize("method", ["medusa", "hydra"])
+def test_eagle_draft_appending_entries_equals_recomputing_the_window(plain):
+    """Outputs for entries appended with `past` keys / values equal one causal pass over all entries."""
+    cfg = plain.engine.model_config
+    model = plain.engine.loaded.model
+    layers = default_feature_layers(cfg.num_layers)
+    draft = EagleDraft(EagleConfig(cfg.hidden_size, layers, 32, 128, 64, 16, 3, MODEL, cfg.vocab_size),
+                       torch.arange(500))
+    for p in draft.parameters():
+        p.data.normal_(std=0.05)
+    draft.attach(model.embed.weight, model.embed.weight)
+    states, tokens = torch.randn(2, 7, cfg.hidden_size), torch.randint(0, 500, (2, 7))
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()[None].expand(2, -1, -1)
+    whole, _ = draft(states, tokens, causal)
+    first, past = draft(states[:, :5], tokens[:, :5], causal[:, :5, :5])
+    rest, _ = draft(states[:, 5:], tokens[:, 5:], causal[:, 5:, :], past)
+    torch.testing.assert_close(torch.cat([first, rest], dim=1), whole, atol=1e-5, rtol=1e-5)
+    assert draft.fuse(torch.randn(3, (len(layers) + 1) * cfg.hidden_size)).shape == (3, cfg.hidden_size)
+
+
+def test_eagle_proposer_keeps_a_window_of_the_emitted_tokens_features(plain):
+    cfg = plain.engine.model_config
+    model = plain.engine.loaded.model
+    draft = EagleDraft(EagleConfig(cfg.hidden_size, [3, 7], 32, 128, 64, 4, 3, MODEL, cfg.vocab_size),
+                       torch.arange(1000)).attach(model.embed.weight, model.embed.weight)
+    proposer = EagleProposer(draft, branch=2, beam=2)
+    assert proposer.capture_layers == (3, 7)
+    engine = plain.engine
+    rid = engine.add_request("Hi", SamplingParams(temperature=0, max_tokens=4))
+    req = engine.requests[rid]
+    feats = torch.randn(6, 3 * cfg.hidden_size)
+    proposer.observe_hidden(req, feats[:1], [11], req.num_tokens - 5)  # after the prompt: one entry
+    proposer.observe_hidden(req, feats[1:], [12, 13, 14, 15, 16], req.num_tokens)  # five more: the window keeps 4
+    assert [t for _, t in proposer.window[rid]] == [13, 14, 15, 16]
+    torch.testing.assert_close(proposer.window[rid][-1][0], draft.fuse(feats[5]))
+    draft_out = proposer.propose([req], [5])[0]
+    assert draft_out.tree is not None and len(draft_out.tree) == 5 and max(draft_out.tree.depth) <= 3
+    proposer.observe_hidden(req, feats[:2], [1, 2], req.num_tokens + 7)  # a gap: the window starts afresh
+    assert [t for _, t in proposer.window[rid]] == [1, 2]
+    engine.abort_request(rid)
+
+
+@pytest.mark.parametrize("method", ["medusa", "hydra", "eagle"])
 def test_committed_heads_are_exact_and_accepted(plain, method):
     greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in plain.generate(SPEC_PROMPTS, greedy, use_tqdm=False)]
     llm = LLM(MODEL, dtype="float32", num_threads=1, max_model_len=512, kv_cache_memory_gib=0.1, progress=False,
               speculative_config={"method": method, "num_speculative_tokens": 8})
     proposer = llm.engine.proposer
-    assert isinstance(proposer, HeadProposer)
+    assert isinstance(proposer, TreeDrafter)
     trees = []
     real = proposer.propose
     proposer.propose = lambda reqs, ks: [trees.append(d.tree is not None) or d for d in real(reqs, ks)]
@@ -113,7 +168,7 @@ def test_committed_heads_are_exact_and_accepted(plain, method):
 
 def test_committed_heads_fit_the_repository_budget():
     files = sorted(HEADS_DIR.glob("*.safetensors"))
-    assert {f.name for f in files} >= {f"{MODEL}-medusa.safetensors", f"{MODEL}-hydra.safetensors"}
+    assert {f.name for f in files} >= {f"{MODEL}-{m}.safetensors" for m in ("medusa", "hydra", "eagle")}
     assert sum(f.stat().st_size for f in files) < 50 * 2**20
 
 

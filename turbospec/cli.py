@@ -97,11 +97,11 @@ def _parser() -> argparse.ArgumentParser:
     lay.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
     lay.add_argument("--num-threads", type=int, default=None)
 
-    th = sub.add_parser("train-head", help="train Medusa or Hydra draft heads by self-distillation on ShareGPT "
-                                           "(needs `make bench-setup` for the data set)")
+    th = sub.add_parser("train-head", help="train Medusa / Hydra heads or an EAGLE draft layer by self-distillation "
+                                           "on ShareGPT")
     th.add_argument("--model", required=True, help="registry name, .gguf path or HF directory")
-    th.add_argument("--method", required=True, choices=["medusa", "hydra"])
-    th.add_argument("--num-heads", type=int, default=4, help="tokens drafted past the known one")
+    th.add_argument("--method", required=True, choices=["medusa", "hydra", "eagle"])
+    th.add_argument("--num-heads", type=int, default=4, help="tokens drafted past the known one (EAGLE: its depth)")
     th.add_argument("--num-prompts", type=int, default=400, help="ShareGPT prompts the target answers")
     th.add_argument("--max-tokens", type=int, default=128, help="answer tokens per prompt")
     th.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary: the answers' most frequent tokens")
@@ -258,10 +258,14 @@ def _train_head(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     out = Path(args.out) if args.out else head_path(args.model, args.method)
-    report = train_heads(engine, opts, out, resume=args.resume)
-    print(f"{args.method} heads: held-out top-1 accuracy per head {report['heldout_top1_accuracy']} "
-          f"(draft vocabulary covers {report['draft_vocab_coverage']:.1%} of answer tokens), {report['steps']} of "
-          f"{report['total_steps']} steps in {report['seconds']} s")
+    if args.method == "eagle":
+        from .spec.eagle_training import train_eagle
+
+        report = train_eagle(engine, opts, out, resume=args.resume)
+    else:
+        report = train_heads(engine, opts, out, resume=args.resume)
+    print(f"{args.method}: held-out top-1 accuracy per draft position {report['heldout_top1_accuracy']}, "
+          f"{report['steps']} of {report['total_steps']} steps in {report['seconds']} s")
     print(f"saved {out}")
     return 0
 

@@ -87,8 +87,9 @@ def _positive(name: str, value: object, alternative: str = "") -> None:
         raise ValueError(f"{name} must be an integer >= 1{' ' + alternative if alternative else ''}, got {value!r}")
 
 
-SPEC_METHODS = ("ngram", "draft", "layer-skip", "medusa", "hydra", "lookahead")
-HEAD_METHODS = ("medusa", "hydra")
+SPEC_METHODS = ("ngram", "draft", "layer-skip", "medusa", "hydra", "eagle", "lookahead")
+# methods that draft from the target's hidden states with a trained file (heads/)
+HEAD_METHODS = ("medusa", "hydra", "eagle")
 
 
 @dataclass
@@ -103,7 +104,7 @@ class SpeculativeConfig:
     # method "layer-skip": the layers the target skips when it drafts for itself; None: the searched set
     # (`turbospec search-layers`, run on first use and cached per model)
     skip_layers: list[int] | None = None
-    # methods "medusa" / "hydra": the trained head file; None: heads/<model>-<method>.safetensors
+    # methods "medusa" / "hydra" / "eagle": the trained file; None: heads/<model>-<method>.safetensors
     heads: str | None = None
     # heads: children tried per expanded node when a request's drafts may branch (1: chains only)
     tree_branch: int = 4

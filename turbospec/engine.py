@@ -79,6 +79,8 @@ class LLMEngine:
         self.spec = config.speculative_config
         self.adaptive_thresholds = AdaptiveThresholds.fresh()  # AdaSD's, shared by the draft proposer
         self.proposer = build_proposer(self.spec, self, progress) if self.spec else None
+        if self.proposer is not None and self.proposer.capture_layers:  # EAGLE reads these layers' outputs
+            self.loaded.model.capture_layers = self.proposer.capture_layers
         self.spec_stats = SpecDecodingStats()
         # 0 (off), a fixed k, or "auto" (the goodput controller); switchable at run time by set_speculation
         self.spec_mode: int | str = self.spec.num_speculative_tokens if self.spec else 0
@@ -97,7 +99,7 @@ class LLMEngine:
         self.exact = ExactDecoding(self)
         self._exact_ids: set[str] = set()  # requests this step computes on the invariant path
         self._tree_paths: dict[str, list[int]] = {}  # this step's accepted tree paths (node indices)
-        self._emit_rows: dict[str, int] = {}  # ... and the row offset that chose each tree request's last token
+        self._emit_rows: dict[str, list[int]] = {}  # ... and the row offsets that chose each emitted token
         self.logit_trace: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] | None = None  # calibration only
         if self.spec_mode == "auto":
             self._ensure_controller(progress)
@@ -444,9 +446,13 @@ class LLMEngine:
                 src, dst = compaction(req.spec_tree, self._tree_paths[req.request_id], s.start + s.num_new_tokens - 1)
                 self.runner.move_kv(req.request_id, src, dst)
             if result and self.proposer is not None and self.proposer.needs_hidden and req.determinism != "llm42":
-                # heads draft from the hidden state that produced the last token (spec/heads.py)
-                row = out.row_start[i] + self._emit_rows.get(req.request_id, accepted)
-                self.proposer.observe_hidden(req, out.hidden[row], req.num_tokens + len(result[0]))
+                # heads and EAGLE draft from the hidden states of the rows that chose this step's tokens
+                emitted = [t for t, _ in result[0]]
+                offsets = self._emit_rows.get(req.request_id, list(range(len(emitted))))[: len(emitted)]
+                if offsets:
+                    source = out.features if out.features is not None else out.hidden
+                    rows = torch.tensor([out.row_start[i] + o for o in offsets], device=source.device)
+                    self.proposer.observe_hidden(req, source[rows], emitted, req.num_tokens + len(emitted))
             if result:  # append first: committing hashes the accepted tokens into the prefix cache
                 try:
                     exact = req.request_id in self._exact_ids
@@ -542,7 +548,7 @@ class LLMEngine:
             logprobs = self._logprobs([req] * len(emitted), rows[torch.tensor(emit_rows, device=rows.device)],
                                       torch.tensor(emitted, device=rows.device))
             self._tree_paths[req.request_id] = path
-            self._emit_rows[req.request_id] = emit_rows[-1]
+            self._emit_rows[req.request_id] = emit_rows
             result[req.request_id] = (list(zip(emitted, logprobs)), len(path))
         return result
 

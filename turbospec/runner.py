@@ -23,6 +23,9 @@ class ModelOutput:
     hidden: torch.Tensor  # [R, H], the same rows before the LM head (for draft heads)
     row_start: list[int]  # per scheduled request, or -1 when it samples nothing this step
     num_rows: list[int]
+    # [R, (len(capture_layers) + 1) * H]: the captured layers' outputs and the final hidden state, when the
+    # model captures layers (EAGLE's features); None otherwise
+    features: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -108,8 +111,11 @@ class ModelRunner:
         hidden = self.model(
             torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), meta, self.kv.layers
         )
-        hidden = hidden[torch.tensor(sample_rows, device=self.device, dtype=torch.long)]
-        return ModelOutput(self.model.compute_logits(hidden, meta.invariant), hidden, row_start, num_rows)
+        rows = torch.tensor(sample_rows, device=self.device, dtype=torch.long)
+        hidden = hidden[rows]
+        captured = getattr(self.model, "captured", None)
+        features = torch.cat([captured[rows], hidden], dim=-1) if captured is not None else None
+        return ModelOutput(self.model.compute_logits(hidden, meta.invariant), hidden, row_start, num_rows, features)
 
 
 @dataclass

@@ -88,6 +88,9 @@ class CausalLM(nn.Module):
         self.norm = self.make_norm(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.requires_grad_(False)
+        # layers whose outputs a forward keeps in `captured` ([T, len * H], in this order): EAGLE's features
+        self.capture_layers: tuple[int, ...] = ()
+        self.captured: torch.Tensor | None = None
 
     def make_layers(self, cfg: ModelConfig) -> list[nn.Module]:
         rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
@@ -108,8 +111,13 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if meta.compute_dtype is not None:
             x = x.to(meta.compute_dtype)
+        kept = []
         for i in range(len(self.layers)) if layer_ids is None else layer_ids:
             x = self.layers[i](x, positions, meta, kv_caches[i])
+            if i in self.capture_layers:
+                kept.append(x)
+        if layer_ids is None:
+            self.captured = torch.cat(kept, dim=-1) if kept else None
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor, invariant: bool = False) -> torch.Tensor:

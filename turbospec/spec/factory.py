@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING
 from ..config import HEAD_METHODS, SpeculativeConfig
 from ..models.loader import load_model
 from .draft_model import DraftModelProposer, check_same_vocabulary
-from .head_proposer import HeadProposer
-from .heads import DraftHeads, head_path
+from .eagle import EagleDraft
+from .head_proposer import EagleProposer, HeadProposer, TreeDrafter
+from .heads import DraftHeads, head_path, read_head_file
 from .layer_search import load_or_search
 from .layer_skip import LayerSkipProposer
 from .lookahead import LookaheadProposer
@@ -48,23 +49,31 @@ def build_proposer(spec: SpeculativeConfig, engine: LLMEngine, progress: bool = 
                               engine.config.device, engine.adaptive_thresholds)
 
 
-def _head_proposer(spec: SpeculativeConfig, engine: LLMEngine) -> HeadProposer:
+def _head_proposer(spec: SpeculativeConfig, engine: LLMEngine) -> TreeDrafter:
     path = Path(spec.heads) if spec.heads else head_path(engine.config.model, spec.method)
     if not path.exists():
         raise ValueError(f"no trained {spec.method} heads at {path}: train them with `turbospec train-head --model "
                          f"{engine.config.model} --method {spec.method}` or give \"heads\": \"<file>\"")
-    heads, extra = DraftHeads.load(path, engine.dtype)
-    cfg, model = heads.config, engine.loaded.model
-    if cfg.method != spec.method:
-        raise ValueError(f"{path} holds {cfg.method} heads, not {spec.method}")
-    if cfg.hidden_size != engine.model_config.hidden_size or cfg.vocab_size != engine.model_config.vocab_size:
-        raise ValueError(f"{path} was trained for a model with hidden size {cfg.hidden_size} and {cfg.vocab_size} "
-                         f"tokens; this one has {engine.model_config.hidden_size} and {engine.model_config.vocab_size}")
-    if cfg.model != engine.config.model:
+    config, _, _ = read_head_file(path)
+    if config.get("method") != spec.method:
+        raise ValueError(f"{path} holds {config.get('method')} heads, not {spec.method}")
+    hidden, vocab, model_name = config.get("hidden_size"), config.get("vocab_size"), config.get("model")
+    if hidden != engine.model_config.hidden_size or vocab != engine.model_config.vocab_size:
+        raise ValueError(f"{path} was trained for a model with hidden size {hidden} and {vocab} tokens; this one "
+                         f"has {engine.model_config.hidden_size} and {engine.model_config.vocab_size}")
+    if model_name != engine.config.model:
         log.warning("heads in %s were trained for %s, not %s: drafts may be poor (output stays exact)", path,
-                    cfg.model, engine.config.model)
+                    model_name, engine.config.model)
+    model = engine.loaded.model
     lm_weight = model.embed.weight if model.lm_head is None else model.lm_head.weight
+    if spec.method == "eagle":
+        draft, _ = EagleDraft.load(path, engine.dtype)
+        draft.attach(lm_weight, model.embed.weight)
+        log.info("eagle draft (window %d, depth %d, %d draft tokens) from %s", draft.config.window,
+                 draft.config.depth, len(draft.vocab), path)
+        return EagleProposer(draft, branch=spec.tree_branch, beam=spec.tree_branch)
+    heads, _ = DraftHeads.load(path, engine.dtype)
     heads.attach(lm_weight, model.embed.weight)
-    log.info("%s: %d heads (rank %d, %d draft tokens) from %s", cfg.method, cfg.num_heads, cfg.rank,
-             len(heads.vocab), path)
+    log.info("%s: %d heads (rank %d, %d draft tokens) from %s", spec.method, heads.config.num_heads,
+             heads.config.rank, len(heads.vocab), path)
     return HeadProposer(heads, branch=spec.tree_branch, beam=spec.tree_branch)

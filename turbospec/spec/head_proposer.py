@@ -1,11 +1,12 @@
-"""Drafting with Medusa / Hydra heads (heads.py): a token tree per request, grown by the heads' probabilities.
+"""Drafting from the target's hidden states (Medusa / Hydra heads, EAGLE): a token tree per request, grown by the
+draft's own probabilities.
 
-The engine hands over the target's hidden state at the row that chose each request's last token. From it the
-heads score continuations; the tree keeps the `k` most probable nodes (a node's score is the product of the
-heads' probabilities along its path, which never exceeds its parent's, so the best k always form a tree).
-This is the "dynamic tree" of EAGLE-2 with the heads' confidence standing in for acceptance:
+The engine hands over, per emitted token, the target's hidden state at the row that chose it. From them the
+draft scores continuations; the tree keeps the `k` most probable nodes (a node's score is the product of the
+draft's probabilities along its path, which never exceeds its parent's, so the best k always form a tree).
+This is EAGLE-2's dynamic tree with the draft's confidence standing in for acceptance:
 - depth by depth, the `beam` best nodes of the depth are expanded into their `branch` most probable children
-  (Medusa's children are the same for every parent at a depth, Hydra's depend on the path);
+  (Medusa's children are the same for every parent at a depth; Hydra's and EAGLE's depend on the path);
 - of everything expanded, the k best nodes become the tree (k = the controller's or the fixed budget).
 Requests that must verify chains (spec/tree.py accepts_trees) get the single most probable path.
 Candidates are deterministic (q one-hot), so verification stays exact.
@@ -14,14 +15,18 @@ Candidates are deterministic (q one-hot), so verification stays exact.
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from ..request import Request
+from .eagle import EagleDraft
 from .heads import DraftHeads
 from .proposer import Draft, Proposer
 from .tree import TokenTree, accepts_trees
+
+Rows = list[tuple[int, int]]  # (request index, node index or -1 for the root) to expand at one depth
 
 
 @dataclass
@@ -30,89 +35,158 @@ class _Node:
     token: int
     parent: int  # index into the request's node list, -1 for the root
     depth: int  # 1 for the root's children
-    state: torch.Tensor | None = None  # Hydra: z at this node
+    state: torch.Tensor | None = None  # the draft's state that predicted this node (Hydra, EAGLE)
 
 
-class HeadProposer(Proposer):
+class TreeDrafter(Proposer):
+    """Grows the trees; subclasses say how one depth of nodes is expanded (`_expand`)."""
+
     needs_hidden = True
 
-    def __init__(self, heads: DraftHeads, branch: int = 4, beam: int = 4) -> None:
-        self.heads = heads
+    def __init__(self, depth: int, branch: int = 4, beam: int = 4) -> None:
+        self.depth = depth
         self.branch = branch
         self.beam = beam
-        self.hidden: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (its length then, hidden state)
-
-    def observe_hidden(self, request: Request, hidden: torch.Tensor, num_tokens: int) -> None:
-        self.hidden[request.request_id] = (num_tokens, hidden.detach())
+        self.seen: dict[str, int] = {}  # request -> its length when its hidden states were last observed
 
     def free(self, request_id: str) -> None:
-        self.hidden.pop(request_id, None)
+        self.seen.pop(request_id, None)
 
     def rollback(self, request: Request, num_tokens: int) -> None:
-        self.hidden.pop(request.request_id, None)
+        self.free(request.request_id)
+
+    def _expand(self, requests: list[Request], rows: Rows, trees: dict[int, list[_Node]], depth: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """For each row: the `branch` best children's log-probabilities and target token ids, and the draft
+        state their own expansion starts from ([rows, H], or None when expansion does not need one)."""
+        raise NotImplementedError
+
+    def _ready(self, req: Request) -> bool:
+        return self.seen.get(req.request_id) == req.num_tokens  # stale after a preemption or a hold
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Draft]:
         drafts = [Draft([]) for _ in requests]
-        live = []
-        for i, (req, k) in enumerate(zip(requests, num_tokens)):
-            seen = self.hidden.get(req.request_id)
-            if k > 0 and seen is not None and seen[0] == req.num_tokens:  # stale after a preemption or a hold
-                live.append(i)
-        if not live:
-            return drafts
-        dtype = self.heads.w1[0].weight.dtype
-        h = torch.stack([self.hidden[requests[i].request_id][1] for i in live]).to(dtype)
-        row_of = {i: r for r, i in enumerate(live)}
+        live = [i for i, (req, k) in enumerate(zip(requests, num_tokens)) if k > 0 and self._ready(req)]
         trees: dict[int, list[_Node]] = {i: [] for i in live}
         wide = {i: accepts_trees(requests[i]) for i in live}
-        if not self.heads.sequential:  # Medusa: every head reads h alone, so all depths in one go
-            medusa = [self._top(self.heads.step(d, h, h, None)) for d in range(self.heads.config.num_heads)]
         frontier = {i: [-1] for i in live}  # node indices to expand at the current depth (-1: the root)
-        for depth in range(self.heads.config.num_heads):
+        for depth in range(self.depth):
             rows = [(i, n) for i in live for n in frontier[i]]
             if not rows:
                 break
-            if self.heads.sequential:  # Hydra: each parent's own state and token
-                prev = torch.tensor([requests[i].all_token_ids[-1] if n < 0 else trees[i][n].token for i, n in rows])
-                z_in = torch.stack([h[row_of[i]] if n < 0 else trees[i][n].state for i, n in rows])  # type: ignore[misc]
-                z = self.heads.step(depth, z_in, z_in, prev)
-                top_lp, top_tok = self._top(z)
-            else:
-                pick = torch.tensor([row_of[i] for i, _ in rows])
-                top_lp, top_tok = medusa[depth][0][pick], medusa[depth][1][pick]
+            top_lp, top_tok, states = self._expand(requests, rows, trees, depth)
             for r, (i, n) in enumerate(rows):
                 parent_score = 0.0 if n < 0 else trees[i][n].score
                 for c in range(self.branch if wide[i] else 1):
                     trees[i].append(_Node(parent_score + float(top_lp[r, c]), int(top_tok[r, c]), n, depth + 1,
-                                          z[r] if self.heads.sequential else None))
+                                          None if states is None else states[r]))
             for i in live:  # expand the most probable nodes of the new depth next
                 fresh = [j for j, node in enumerate(trees[i]) if node.depth == depth + 1]
                 frontier[i] = heapq.nlargest(self.beam if wide[i] else 1, fresh, key=lambda j, t=trees[i]: t[j].score)
         for i in live:
-            k = num_tokens[i]
-            nodes = trees[i]
-            # the k best by score; ties go to the shallower node, so a parent always precedes its children
-            chosen = heapq.nsmallest(k, range(len(nodes)), key=lambda j: (-nodes[j].score, nodes[j].depth))
-            keep = set(chosen)
-            chosen = [j for j in chosen if self._ancestors_kept(nodes, j, keep)]
-            order = sorted(chosen, key=lambda j: (nodes[j].depth, j))
-            where = {j: pos for pos, j in enumerate(order)}
-            tree = TokenTree([nodes[j].token for j in order],
-                             [-1 if nodes[j].parent < 0 else where[nodes[j].parent] for j in order])
-            drafts[i] = Draft(tree.tokens, tree=None if tree.is_chain else tree)
+            drafts[i] = _best_tree(trees[i], num_tokens[i])
         return drafts
 
-    def _top(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _top(self, logits: torch.Tensor, vocab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The `branch` most probable draft tokens per row: (log-probabilities, target token ids)."""
-        lp, ix = self.heads.logits(z).log_softmax(-1).topk(self.branch, dim=-1)
-        return lp, self.heads.vocab[ix]
+        lp, ix = logits.log_softmax(-1).topk(self.branch, dim=-1)
+        return lp, vocab[ix]
 
-    @staticmethod
-    def _ancestors_kept(nodes: list[_Node], j: int, keep: set[int]) -> bool:
-        p = nodes[j].parent
-        while p >= 0:
-            if p not in keep:
-                return False
-            p = nodes[p].parent
-        return True
+
+def _best_tree(nodes: list[_Node], k: int) -> Draft:
+    # the k best by score; ties go to the shallower node, so a parent always precedes its children
+    keep = set(heapq.nsmallest(k, range(len(nodes)), key=lambda j: (-nodes[j].score, nodes[j].depth)))
+    chosen = [j for j in keep if _ancestors_kept(nodes, j, keep)]
+    order = sorted(chosen, key=lambda j: (nodes[j].depth, j))
+    where = {j: pos for pos, j in enumerate(order)}
+    tree = TokenTree([nodes[j].token for j in order],
+                     [-1 if nodes[j].parent < 0 else where[nodes[j].parent] for j in order])
+    return Draft(tree.tokens, tree=None if tree.is_chain else tree)
+
+
+def _ancestors_kept(nodes: list[_Node], j: int, keep: set[int]) -> bool:
+    p = nodes[j].parent
+    while p >= 0:
+        if p not in keep:
+            return False
+        p = nodes[p].parent
+    return True
+
+
+class HeadProposer(TreeDrafter):
+    """Medusa / Hydra heads (heads.py) on the hidden state that chose the request's last token."""
+
+    def __init__(self, heads: DraftHeads, branch: int = 4, beam: int = 4) -> None:
+        super().__init__(heads.config.num_heads, branch, beam)
+        self.heads = heads
+        self.hidden: dict[str, torch.Tensor] = {}
+
+    def observe_hidden(self, request: Request, hidden: torch.Tensor, tokens: list[int], num_tokens: int) -> None:
+        self.hidden[request.request_id] = hidden[-1].detach()  # the row that chose the last token
+        self.seen[request.request_id] = num_tokens
+
+    def free(self, request_id: str) -> None:
+        super().free(request_id)
+        self.hidden.pop(request_id, None)
+
+    def _expand(self, requests: list[Request], rows: Rows, trees: dict[int, list[_Node]], depth: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        dtype = self.heads.w1[0].weight.dtype
+        if not self.heads.sequential:  # Medusa: head `depth` reads h alone, whatever the parent
+            h = torch.stack([self.hidden[requests[i].request_id] for i, _ in rows]).to(dtype)
+            return (*self._top(self.heads.logits(self.heads.step(depth, h, h, None)), self.heads.vocab), None)
+        # Hydra: each parent's own state and token (the root's: the hidden state and the last known token)
+        prev = torch.tensor([requests[i].all_token_ids[-1] if n < 0 else trees[i][n].token for i, n in rows])
+        z_in = torch.stack([self.hidden[requests[i].request_id].to(dtype) if n < 0 else trees[i][n].state
+                            for i, n in rows])  # type: ignore[misc]
+        z = self.heads.step(depth, z_in, z_in, prev)
+        return (*self._top(self.heads.logits(z), self.heads.vocab), z)
+
+
+class EagleProposer(TreeDrafter):
+    """The EAGLE-style draft layer (eagle.py) over a window of the request's recent fused target features."""
+
+    def __init__(self, draft: EagleDraft, branch: int = 4, beam: int = 4) -> None:
+        super().__init__(draft.config.depth, branch, beam)
+        self.draft = draft
+        self.capture_layers = tuple(draft.config.feature_layers)
+        self.window: dict[str, deque[tuple[torch.Tensor, int]]] = {}  # request -> (state, token) entries
+
+    def observe_hidden(self, request: Request, hidden: torch.Tensor, tokens: list[int], num_tokens: int) -> None:
+        dtype = self.draft.qkv.weight.dtype
+        states = self.draft.fuse(hidden.to(dtype))
+        entries = self.window.setdefault(request.request_id, deque(maxlen=self.draft.config.window))
+        if self.seen.get(request.request_id) != num_tokens - len(tokens):  # a gap (preemption): start afresh
+            entries.clear()
+        entries.extend(zip(states, tokens))
+        self.seen[request.request_id] = num_tokens
+
+    def free(self, request_id: str) -> None:
+        super().free(request_id)
+        self.window.pop(request_id, None)
+
+    def _expand(self, requests: list[Request], rows: Rows, trees: dict[int, list[_Node]], depth: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        seqs = []
+        for i, n in rows:  # the window, then the path down to this node (each node: the state that drafted it)
+            path = []
+            while n >= 0:
+                path.append((trees[i][n].state, trees[i][n].token))
+                n = trees[i][n].parent
+            seqs.append(list(self.window[requests[i].request_id]) + path[::-1])
+        length = max(len(s) for s in seqs)
+        h = self.draft.config.hidden_size
+        dtype = self.draft.qkv.weight.dtype
+        states = torch.zeros(len(seqs), length, h, dtype=dtype)
+        tokens = torch.zeros(len(seqs), length, dtype=torch.long)
+        valid = torch.zeros(len(seqs), length, dtype=torch.bool)
+        for r, seq in enumerate(seqs):  # right-aligned: every row's last entry is the last column
+            pad = length - len(seq)
+            states[r, pad:] = torch.stack([s for s, _ in seq])
+            tokens[r, pad:] = torch.tensor([t for _, t in seq])
+            valid[r, pad:] = True
+        mask = torch.ones(length, length, dtype=torch.bool).tril()[None] & valid[:, None, :]
+        mask |= torch.eye(length, dtype=torch.bool)[None]  # padded queries see themselves (their rows are unused)
+        out = self.draft(states, tokens, mask)[0][:, -1]
+        return (*self._top(self.draft.logits(out), self.draft.vocab), out)

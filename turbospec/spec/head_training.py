@@ -13,7 +13,8 @@ Recipe (the same for every model, so a committed head file says how to remake it
    counted) or the epochs run out. 2% of the answers
    are held out to report each head's top-1 accuracy.
 Steps 1-3 are cached under ``$TURBOSPEC_HOME/heads/<model>/`` (answers saved every batch, so generation
-resumes; hidden states once complete), and training checkpoints there every ``checkpoint_every`` steps; ``--resume`` continues from it.
+resumes; hidden states once complete), and training checkpoints there every ``checkpoint_every`` steps;
+``--resume`` continues from it.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ import math
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from tqdm import tqdm
 
 from ..models.registry import turbospec_home
@@ -158,61 +161,67 @@ def head_loss(heads: DraftHeads, h: torch.Tensor, prev: torch.Tensor, labels: to
     return torch.stack(losses).sum() / count, torch.stack(hits)
 
 
-def train_heads(engine: LLMEngine, opts: TrainHeadOptions, out_path: Path, resume: bool = False,
-                progress: bool = True) -> dict[str, object]:
-    torch.manual_seed(opts.seed)
-    started = time.perf_counter()
+@dataclass
+class Split:
+    """The answered prompts, 2% held out, and the draft vocabulary of the training answers."""
+
+    train: list[tuple[list[int], int]]
+    held_out: list[tuple[list[int], int]]
+    vocab: torch.Tensor  # target token ids
+    remap: torch.Tensor  # [V]: index in vocab, or -1
+
+
+def split_answers(engine: LLMEngine, opts: TrainHeadOptions, progress: bool) -> Split:
     sequences = distillation_answers(engine, opts, progress)
-    rng = random.Random(opts.seed)
     order = list(range(len(sequences)))
-    rng.shuffle(order)
+    random.Random(opts.seed).shuffle(order)
     held = max(1, len(order) // 50)
-    train_seqs = [sequences[i] for i in order[held:]]
-    eval_seqs = [sequences[i] for i in order[:held]]
-    vocab = draft_vocabulary(train_seqs, opts.draft_vocab)
+    train = [sequences[i] for i in order[held:]]
+    vocab = draft_vocabulary(train, opts.draft_vocab)
     remap = torch.full((engine.model_config.vocab_size,), -1, dtype=torch.long)
     remap[vocab] = torch.arange(len(vocab))
-    cache = work_dir(engine.config.model) / f"hidden-{PROMPT_SKIP}-{opts.max_tokens}-{len(sequences)}-{opts.seed}.pt"
-    hidden = torch.load(cache) if cache.exists() else hidden_states(engine, train_seqs + eval_seqs, progress)
-    if not cache.exists():  # the other head method reuses them
-        torch.save(hidden, cache)
-    h_train, p_train, y_train = _examples(train_seqs, hidden[: len(train_seqs)], opts.num_heads, remap)
-    h_eval, p_eval, y_eval = _examples(eval_seqs, hidden[len(train_seqs):], opts.num_heads, remap)
+    return Split(train, [sequences[i] for i in order[:held]], vocab, remap)
 
-    cfg = engine.model_config
-    config = HeadConfig(opts.method, opts.num_heads, cfg.hidden_size, max(16, cfg.hidden_size // 4),
-                        engine.config.model, cfg.vocab_size)
-    model = engine.loaded.model
-    heads = DraftHeads(config, vocab)
-    lm_weight = model.embed.weight if model.lm_head is None else model.lm_head.weight
-    heads.attach(lm_weight.float(), model.embed.weight.float())  # trained in float32
-    opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=opts.lr, weight_decay=0.0)
-    steps_per_epoch = max(1, len(h_train) // opts.batch_size)
+
+def cached(path: Path, compute: Callable[[], Any]) -> Any:
+    """torch.load(path), or compute() saved there (features another head method reuses)."""
+    if path.exists():
+        return torch.load(path)
+    value = compute()
+    torch.save(value, path)
+    return value
+
+
+def train_loop(module: nn.Module, opts: TrainHeadOptions, num_examples: int, ckpt: Path, resume: bool,
+               loss_of: Callable[[list[int], int], torch.Tensor], desc: str, progress: bool
+               ) -> tuple[int, int, list[float], float]:
+    """AdamW with a cosine schedule (lr to lr / 20) over shuffled batches of example indices, until the epochs or
+    the training time budget run out; checkpoints every `checkpoint_every` steps and resumes from them.
+    loss_of(batch, step) gives a batch's loss. Returns (steps done, total steps, losses, seconds)."""
+    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=opts.lr, weight_decay=0.0)
+    steps_per_epoch = max(1, num_examples // opts.batch_size)
     total_steps = steps_per_epoch * opts.epochs
-    ckpt = work_dir(engine.config.model) / f"checkpoint-{opts.method}.pt"
     step = 0
     if resume and ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
-        heads.load_state_dict(state["heads"])
+        module.load_state_dict(state["module"])
         opt.load_state_dict(state["opt"])
         step = state["step"]
-    budget_s = opts.budget_minutes * 60  # training time: answers and features are cached or quick to redo
-    train_started = time.perf_counter()
+    budget_s = opts.budget_minutes * 60  # training time: answers and features are cached
+    started = time.perf_counter()
     gen = torch.Generator().manual_seed(opts.seed)
-    bar = tqdm(total=total_steps, initial=step, desc=f"training {opts.method} heads", unit="step",
-               disable=not progress)
+    bar = tqdm(total=total_steps, initial=step, desc=desc, unit="step", disable=not progress)
     losses: list[float] = []
+    module.train()
     with torch.enable_grad():
-        heads.train()
-        while step < total_steps and time.perf_counter() - train_started < budget_s:
-            perm = torch.randperm(len(h_train), generator=gen)
+        while step < total_steps and time.perf_counter() - started < budget_s:
+            perm = torch.randperm(num_examples, generator=gen).tolist()
             for b in range(steps_per_epoch):
-                if step >= total_steps or time.perf_counter() - train_started >= budget_s:
+                if step >= total_steps or time.perf_counter() - started >= budget_s:
                     break
-                idx = perm[b * opts.batch_size: (b + 1) * opts.batch_size]
-                for group in opt.param_groups:  # cosine decay from lr to lr / 20
+                for group in opt.param_groups:
                     group["lr"] = opts.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * step / total_steps)))
-                loss, _ = head_loss(heads, h_train[idx].float(), p_train[idx], y_train[idx])
+                loss = loss_of(perm[b * opts.batch_size: (b + 1) * opts.batch_size], step)
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
@@ -222,8 +231,38 @@ def train_heads(engine: LLMEngine, opts: TrainHeadOptions, out_path: Path, resum
                 bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
                 if step % opts.checkpoint_every == 0:
                     ckpt.parent.mkdir(parents=True, exist_ok=True)
-                    torch.save({"heads": heads.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
+                    torch.save({"module": module.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
     bar.close()
+    module.eval()
+    return step, total_steps, losses, time.perf_counter() - started
+
+
+def train_heads(engine: LLMEngine, opts: TrainHeadOptions, out_path: Path, resume: bool = False,
+                progress: bool = True) -> dict[str, object]:
+    torch.manual_seed(opts.seed)
+    started = time.perf_counter()
+    split = split_answers(engine, opts, progress)
+    n_seqs = len(split.train) + len(split.held_out)
+    hidden = cached(work_dir(engine.config.model) / f"hidden-{PROMPT_SKIP}-{opts.max_tokens}-{n_seqs}-{opts.seed}.pt",
+                    lambda: hidden_states(engine, split.train + split.held_out, progress))
+    h_train, p_train, y_train = _examples(split.train, hidden[: len(split.train)], opts.num_heads, split.remap)
+    h_eval, p_eval, y_eval = _examples(split.held_out, hidden[len(split.train):], opts.num_heads, split.remap)
+
+    cfg = engine.model_config
+    config = HeadConfig(opts.method, opts.num_heads, cfg.hidden_size, max(16, cfg.hidden_size // 4),
+                        engine.config.model, cfg.vocab_size)
+    model = engine.loaded.model
+    heads = DraftHeads(config, split.vocab)
+    lm_weight = model.embed.weight if model.lm_head is None else model.lm_head.weight
+    heads.attach(lm_weight.float(), model.embed.weight.float())  # trained in float32
+
+    def loss_of(batch: list[int], step: int) -> torch.Tensor:
+        idx = torch.tensor(batch)
+        return head_loss(heads, h_train[idx].float(), p_train[idx], y_train[idx])[0]
+
+    step, total_steps, losses, train_s = train_loop(
+        heads, opts, len(h_train), work_dir(engine.config.model) / f"checkpoint-{opts.method}.pt", resume, loss_of,
+        f"training {opts.method} heads", progress)
     heads.eval()
     with torch.no_grad():
         _, hits = head_loss(heads, h_eval.float(), p_eval, y_eval)
@@ -232,11 +271,12 @@ def train_heads(engine: LLMEngine, opts: TrainHeadOptions, out_path: Path, resum
         # how often the target's own token is in the draft vocabulary at all (a cap on every head's accuracy)
         coverage = float((y_eval[:, 0] != IGNORE).float().mean())
     report = {
-        "options": asdict(opts), "steps": step, "total_steps": total_steps, "final_loss": losses[-1] if losses else None,
+        "options": asdict(opts), "steps": step, "total_steps": total_steps,
+        "final_loss": losses[-1] if losses else None,
         "heldout_top1_accuracy": [round(a, 4) for a in accuracy], "draft_vocab_coverage": round(coverage, 4),
-        "train_positions": len(h_train), "eval_positions": len(h_eval), "prompts": len(sequences),
-        "seconds": round(time.perf_counter() - started, 1),
-        "train_seconds": round(time.perf_counter() - train_started, 1), "data": f"sharegpt[{PROMPT_SKIP}:{PROMPT_SKIP + len(sequences)}]"
+        "train_positions": len(h_train), "eval_positions": len(h_eval), "prompts": n_seqs,
+        "seconds": round(time.perf_counter() - started, 1), "train_seconds": round(train_s, 1),
+        "data": f"sharegpt[{PROMPT_SKIP}:{PROMPT_SKIP + n_seqs}]"
         " first turns, the target's greedy answers", "complete": step >= total_steps,
     }
     heads.save(out_path, report)

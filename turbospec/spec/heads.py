@@ -82,28 +82,36 @@ class DraftHeads(nn.Module):
         assert self.lm_weight is not None, "attach() the target's LM head first"
         return F.linear(z.to(self.lm_weight.dtype), self.lm_weight).float()
 
-    # --- files -----------------------------------------------------------------------------------------
-
     def save(self, path: Path, extra: dict[str, object]) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.state_dict().items()}
-        tensors["vocab"] = self.vocab.to(torch.int32).contiguous()
-        meta = {"config": json.dumps(asdict(self.config)), "extra": json.dumps(extra)}
-        save_file(tensors, str(path), metadata=meta)
+        save_head_file(path, self, asdict(self.config), extra)
 
     @classmethod
     def load(cls, path: Path, dtype: torch.dtype = torch.float32) -> tuple[DraftHeads, dict[str, object]]:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-        if "config" not in meta:
-            raise ValueError(f"{path} is not a turbospec head file (no config in its metadata)")
-        tensors = load_file(str(path))
-        heads = cls(HeadConfig(**json.loads(meta["config"])), tensors.pop("vocab"))
+        config, tensors, extra = read_head_file(path)
+        heads = cls(HeadConfig(**config), tensors.pop("vocab"))
         heads.load_state_dict({k: v.to(dtype) for k, v in tensors.items()})
         heads.to(dtype).requires_grad_(False)
-        return heads, json.loads(meta.get("extra", "{}"))
+        return heads, extra
+
+
+# --- head files: trained weights (bf16) + the draft vocabulary; config and training report as metadata -------
+
+def save_head_file(path: Path, module: nn.Module, config: dict[str, object], extra: dict[str, object]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in module.state_dict().items()}
+    tensors["vocab"] = module.vocab.to(torch.int32).contiguous()  # type: ignore[union-attr,operator]
+    save_file(tensors, str(path), metadata={"config": json.dumps(config), "extra": json.dumps(extra)})
+
+
+def read_head_file(path: Path) -> tuple[dict[str, object], dict[str, torch.Tensor], dict[str, object]]:
+    """(config, tensors with "vocab", training report) of a head file."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    if "config" not in meta:
+        raise ValueError(f"{path} is not a turbospec head file (no config in its metadata)")
+    return json.loads(meta["config"]), load_file(str(path)), json.loads(meta.get("extra", "{}"))
 
 
 def head_path(model: str, method: str) -> Path:

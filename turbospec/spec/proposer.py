@@ -30,6 +30,8 @@ class Proposer(ABC):
     runs_model = False
     # True when the proposer drafts from the target's hidden state (heads): the engine calls observe_hidden
     needs_hidden = False
+    # target layers whose outputs observe_hidden also receives (EAGLE's fused features)
+    capture_layers: tuple[int, ...] = ()
     # True when the proposer reads observe_tree: its chains are verified as one-branch trees too
     observes_trees = False
 
@@ -41,9 +43,10 @@ class Proposer(ABC):
         """Tokens of this request a model-based proposer has not run over yet (its prompt, the first time)."""
         return 0
 
-    def observe_hidden(self, request: Request, hidden: torch.Tensor, num_tokens: int) -> None:
-        """The target's final hidden state [H] at the row that chose the request's last token, once it has
-        num_tokens tokens (heads draft what follows from it)."""
+    def observe_hidden(self, request: Request, hidden: torch.Tensor, tokens: list[int], num_tokens: int) -> None:
+        """This step's emitted `tokens` and, per token, the target's hidden state at the row that chose it:
+        [len(tokens), H], or [len(tokens), (c + 1) * H] with the `capture_layers` outputs first when the
+        proposer sets them. The request then has num_tokens tokens."""
 
     def observe_tree(self, request: Request, tree: TokenTree, argmax: list[int]) -> None:
         """The target's argmax at the root (argmax[0]) and at every node of the request's verified tree."""
