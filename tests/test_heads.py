@@ -189,7 +189,7 @@ def test_missing_or_mismatched_heads_are_refused(tmp_path):
         LLM(MODEL, speculative_config={"method": "medusa", "tree_branch": 0})
 
 
-@pytest.mark.parametrize("flags, message", [(["--method", "eagle"], "invalid choice: 'eagle'"),
+@pytest.mark.parametrize("flags, message", [(["--method", "dart"], "invalid choice: 'dart'"),
                                             (["--method", "medusa", "--num-heads", "0"], "--num-heads must be >= 1"),
                                             (["--method", "hydra", "--budget-minutes", "0"],
                                              "--budget-minutes must be > 0")])

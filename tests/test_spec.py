@@ -27,6 +27,8 @@ LOOKAHEAD = {"method": "lookahead", "num_speculative_tokens": 6}
 
 
 def _llm(**kw) -> LLM:
+    # a small KV cache: several engines (and a draft model's cache) are alive at once in this module
+    kw.setdefault("kv_cache_memory_gib", 0.5)
     return LLM(MODEL, dtype="float32", num_threads=1, progress=False, **kw)
 
 
@@ -83,8 +85,8 @@ def test_preemption_while_speculating_loses_nothing(config, plain):
     probe = _llm()
     per_block = KVCache.bytes_per_block(probe.engine.model_config, 16, probe.engine.dtype)
     del probe
-    # 14 blocks of 16 tokens: not enough for five ~60-token sequences with 3 drafts each at once
-    llm = _llm(speculative_config=config, kv_cache_memory_gib=14 * per_block / 2**30, max_model_len=128)
+    # 11 blocks of 16 tokens: not enough for five ~60-token sequences with 3 drafts each at once
+    llm = _llm(speculative_config=config, kv_cache_memory_gib=11 * per_block / 2**30, max_model_len=128)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     assert _agreement(outs, plain) == 1.0
