@@ -14,7 +14,7 @@ does). Rows:
 Columns per data set: tokens/s (generated tokens over wall time, prefill included), speedup over the same
 engine's plain row, tau (tokens per verification step) and whether the output equals plain decoding.
 
-    .venv/bin/python benchmarks/proposer_zoo.py                       # full run (about an hour here)
+    .venv/bin/python benchmarks/proposer_zoo.py                       # full run (about 35 minutes here)
     .venv/bin/python benchmarks/proposer_zoo.py --models smollm2-135m --prompts 1 --max-tokens 16 --out /tmp/zoo
 """
 
@@ -165,9 +165,9 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"- command: `{meta['command']}`",
         f"- machine: {meta['machine']}, {meta['threads']} threads, torch {meta['torch']}",
         f"- date: {meta['date']}, commit {meta['commit']}",
-        (f"- {meta['dtype']}, greedy, batch 1, chat template, at most {meta['max_tokens']} tokens; the first "
-         f"{meta['prompts']} MT-Bench first turns and the first {meta['prompts']} HumanEval tasks (prompt pre-filled "
-         f"in a code fence); k = {meta['k']} for SPS and PLD, {meta['tree_nodes']} tree nodes for lookahead and the "
+        (f"- {meta['dtype']}, greedy, batch 1, chat template, at most {meta['max_tokens']} tokens; the first N "
+         f"MT-Bench first turns and the first N HumanEval tasks (prompt pre-filled in a code fence), N per model: "
+         f"{meta['prompts']}; k = {meta['k']} for SPS and PLD, {meta['tree_nodes']} tree nodes for lookahead and the "
          f"heads, "
          f"layer-skip k = {meta['layer_skip_k']}; speedup over the same engine's plain row"), "",
         "| model | method | MT-Bench tok/s | speedup | tau | HumanEval tok/s | speedup | tau | = plain |",
@@ -190,7 +190,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-1.5b")
-    ap.add_argument("--prompts", type=int, default=0, help="prompts per data set (0: 10 for small models, 4 for 1.5b)")
+    ap.add_argument("--prompts", type=int, default=0, help="prompts per data set (0: 6 for small models, 3 for 1.5b)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step for SPS and PLD")
     ap.add_argument("--tree-nodes", type=int, default=8, help="tree nodes per step (lookahead, Medusa, Hydra, EAGLE)")
@@ -216,7 +216,7 @@ def main() -> None:
 
     counts = {}
     for model in args.models.split(","):
-        n = args.prompts or (4 if "1.5b" in model else 10)
+        n = args.prompts or (3 if "1.5b" in model else 6)
         counts[model] = n
         data = datasets(model, n)
         for row in ("plain", *FIXED):
