@@ -55,8 +55,8 @@ def target_features(engine: LLMEngine, sequences: list[tuple[list[int], int]], l
     return out
 
 
-def _examples(sequences: list[tuple[list[int], int]], feats: list[tuple[torch.Tensor, int]], depth: int,
-              window: int) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+def _examples(sequences: list[tuple[list[int], int]], feats: list[tuple[torch.Tensor, int]], window: int
+              ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
     """Flat features [N, F] and next tokens [N] (the token each feature's row chose), and the examples: (flat index
     of position t, flat index of the sequence's first position), for answer positions with a full window."""
     all_feats, all_next, examples = [], [], []
@@ -112,8 +112,8 @@ def train_eagle(engine: LLMEngine, opts: TrainHeadOptions, out_path: Path, resum
     feats = cached(work_dir(engine.config.model) / f"eagle-features-{PROMPT_SKIP}-{opts.max_tokens}-{n_seqs}.pt",
                    lambda: target_features(engine, split.train + split.held_out, layers, WINDOW, progress))
     depth = opts.num_heads
-    f_train, n_train, ex_train = _examples(split.train, feats[: len(split.train)], depth, WINDOW)
-    f_eval, n_eval, ex_eval = _examples(split.held_out, feats[len(split.train):], depth, WINDOW)
+    f_train, n_train, ex_train = _examples(split.train, feats[: len(split.train)], WINDOW)
+    f_eval, n_eval, ex_eval = _examples(split.held_out, feats[len(split.train):], WINDOW)
     end_train = _sequence_ends(f_train.shape[0], feats[: len(split.train)])
     end_eval = _sequence_ends(f_eval.shape[0], feats[len(split.train):])
 
