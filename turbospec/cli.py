@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .config import DETERMINISTIC_MODES
+from .config import DETERMINISTIC_MODES, WEIGHT_FORMATS
 from .models import registry
 
 
@@ -76,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     prof.add_argument("--ks", default=None, help="override the grid's draft lengths, e.g. 0,1,2,4,8")
     prof.add_argument("--repeats", type=int, default=None, help="steps measured per grid point")
     prof.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
+    _weight_format_flag(prof)
     prof.add_argument("--num-threads", type=int, default=None)
     prof.add_argument("--max-num-seqs", type=int, default=32)
 
@@ -119,6 +120,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
+    _weight_format_flag(p)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--deterministic", default=None, choices=list(DETERMINISTIC_MODES),
@@ -137,6 +139,13 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help='JSON, e.g. \'{"method": "ngram"}\' (the goodput controller picks k), '
                         '\'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                         '\'{"method": "draft", "model": "qwen2.5-coder-0.5b"}\'')
+
+
+def _weight_format_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weight-format", default="auto", choices=list(WEIGHT_FORMATS),
+                   help="auto: the GGUF's 4/6/8-bit blocks in packed kernels for few-row steps, dense for the rest; "
+                        "bf16: dense only; int4 / int8: packed only, least memory (refused when the file's block "
+                        "types cannot be held exactly)")
 
 
 def _window(text: str) -> int | str:
@@ -175,8 +184,9 @@ def _profile(args: argparse.Namespace) -> int:
         spec = SpeculativeConfig.parse(args.speculative_config)
         if spec is not None:
             spec.num_speculative_tokens = spec.k_limit  # a fixed k while profiling: no controller (nor a profile)
-        engine = LLMEngine(EngineConfig(args.model, dtype=args.dtype, num_threads=args.num_threads,
-                                        max_num_seqs=args.max_num_seqs, speculative_config=spec))
+        engine = LLMEngine(EngineConfig(args.model, dtype=args.dtype, weight_format=args.weight_format,
+                                        num_threads=args.num_threads, max_num_seqs=args.max_num_seqs,
+                                        speculative_config=spec))
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     model = build_model(engine, grid)
@@ -281,7 +291,8 @@ def _generate(args: argparse.Namespace) -> int:
         )
         if not args.prompt:
             raise ValueError("--prompt is empty: give at least one character")
-        llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, num_threads=args.num_threads,
+        llm = LLM(args.model, dtype=args.dtype, weight_format=args.weight_format, max_model_len=args.max_model_len,
+                  num_threads=args.num_threads,
                   speculative_config=args.speculative_config, deterministic=args.deterministic,
                   verify_window=args.verify_window, margin_threshold=args.margin_threshold, progress=not args.json)
         if args.chat:
@@ -323,7 +334,8 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
         if args.graceful_timeout < 0:
             raise ValueError(f"--graceful-timeout must be >= 0, got {args.graceful_timeout}")
-        config = EngineConfig(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+        config = EngineConfig(args.model, dtype=args.dtype, weight_format=args.weight_format,
+                              max_model_len=args.max_model_len,
                               num_threads=args.num_threads, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               speculative_config=args.speculative_config, deterministic=args.deterministic,

@@ -9,6 +9,7 @@ from .control.acceptance import DEFAULT_ESTIMATOR, ESTIMATORS
 from .spec.policies import LOSSLESS_POLICIES, TYPICAL_DELTA, TYPICAL_EPSILON, check_policy
 
 DTYPE_NAMES = ("bfloat16", "bf16", "float32", "fp32", "float16", "fp16")
+WEIGHT_FORMATS = ("auto", "bf16", "int4", "int8")  # models/weight_format.py says what each keeps
 DETERMINISTIC_MODES = ("batch-invariant", "llm42", "margin-gate", "layercast")
 # the modes a single request may ask for (the others change every row's kernels or the KV dtype: engine-wide)
 REQUEST_DETERMINISTIC_MODES = ("batch-invariant", "llm42", "margin-gate")
@@ -20,6 +21,9 @@ class EngineConfig:
 
     model: str
     dtype: str = "bfloat16"
+    # "auto": packed low-bit kernels for few-row calls where the GGUF's blocks can be held exactly, dense for
+    # the rest; "bf16": dense only; "int4" / "int8": packed only (least memory). See models/weight_format.py.
+    weight_format: str = "auto"
     max_model_len: int | None = None  # default: the model's context length, capped at 4096 on CPU
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
@@ -49,6 +53,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"unknown dtype {self.dtype!r}: expected one of bfloat16, float32, float16")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"unknown weight_format {self.weight_format!r}: expected one of "
+                             f"{', '.join(WEIGHT_FORMATS)}")
+        if self.weight_format in ("int4", "int8") and self.deterministic:
+            raise ValueError(f"deterministic={self.deterministic!r} runs dense kernels with a fixed reduction order; "
+                             f"weight_format {self.weight_format!r} keeps no dense weights: use auto or bf16")
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("block_size", self.block_size)

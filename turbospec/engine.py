@@ -56,7 +56,8 @@ class LLMEngine:
         self.dtype = parse_dtype(config.dtype)
         # LayerCast keeps the weights in bf16 but computes, and keeps the KV cache, in float32
         self.compute_dtype = torch.float32 if config.deterministic == "layercast" else self.dtype
-        self.loaded = loaded or load_model(config.model, self.dtype, config.device, progress=progress)
+        self.loaded = loaded or load_model(config.model, self.dtype, config.device, progress=progress,
+                                          weight_format=config.weight_format)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         limit = self.model_config.max_position_embeddings

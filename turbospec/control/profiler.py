@@ -76,6 +76,10 @@ def profile_key(engine: LLMEngine) -> dict[str, str]:
         "torch": torch.__version__,
         "speculation": "none" if spec is None else spec.method + (f":{spec.model}" if spec.model else ""),
     }
+    weights = engine.loaded.weights
+    if weights is not None and weights.packed_linears:  # packed kernels: other step times, and a kink at the
+        # rows where each linear switches to dense (absent for dense models: old caches stay valid)
+        key["weights"] = weights.format + ":" + ",".join(f"{s}={r}" for s, r in sorted(weights.crossover.items()))
     if engine.config.deterministic:  # other kernels, other step times (absent otherwise: old caches stay valid)
         key["deterministic"] = engine.config.deterministic
     return key
@@ -116,6 +120,12 @@ def profile_engine(engine: LLMEngine, grid: ProfileGrid, progress: bool = True, 
     samples: list[StepSample] = []
     points = _grid_points(engine, grid)
     ks = grid.ks if engine.proposer is not None else (0,)
+    weights = engine.loaded.weights
+    if engine.proposer is not None and weights is not None and weights.crossover:
+        # packed linears switch kernels at their crossover rows: measure single requests on both sides of it
+        top = max(grid.ks)
+        near = {k for r in weights.crossover.values() for k in (r - 1, r) if 0 <= k <= top}
+        ks = tuple(sorted(set(ks) | near))
     bar = tqdm(total=len(points) * len(ks), desc="profiling step time", unit="pt", disable=not progress)
 
     def step() -> None:

@@ -70,6 +70,10 @@ def _feature(f: StepFeatures, name: str) -> float:
 
 
 HINGE_KNOTS = (4, 8, 16, 32, 64, 128)
+# Packed weights (models/weight_format.py) make a second kink: time grows with rows while linears run their
+# packed kernels, flattens where they switch to dense at their crossover (a few rows), and grows again
+# once the dense kernels fill. Two hinges, the first at a small knot, describe that shape.
+PACKED_KNOTS = (2, 3, 4, 5, 6, 8)
 CANDIDATES: dict[str, list[tuple[str, ...]]] = {
     "target": [
         ("one", "tokens"),
@@ -78,6 +82,7 @@ CANDIDATES: dict[str, list[tuple[str, ...]]] = {
         ("one", "batch", "tokens", "kv", "attn"),
         *[("one", "tokens", f"hinge{k}", "kv") for k in HINGE_KNOTS],
         *[("one", "tokens", f"hinge{k}", "kv", "attn") for k in HINGE_KNOTS],
+        *[("one", "tokens", f"hinge{a}", f"hinge{b}", "kv") for a in PACKED_KNOTS for b in (16, 32, 64)],
     ],
     "draft": [
         ("draft_steps", "draft_tokens"),

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..determinism.batch_invariant import invariant_linear
+from .packed import PackedWeight, packed_linear
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -23,10 +24,14 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 class RowLinear(nn.Linear):
-    """nn.Linear computed by row_linear."""
+    """nn.Linear computed by row_linear, or by its packed low-bit form when one is attached (weight_format.py)
+    and the call has few enough rows (packed.py)."""
+
+    packed: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
-        return row_linear(x, self.weight, self.bias, invariant)
+        y = packed_linear(x, self.weight, self.bias, self.packed, invariant)
+        return row_linear(x, self.weight, self.bias, invariant) if y is None else y
 
 
 class RMSNorm(nn.Module):

@@ -15,6 +15,7 @@ from torch import nn
 from ..attention import AttentionMetadata, paged_attention
 from .layers import RMSNorm, Rotary, RowLinear, row_linear
 from .model_config import ModelConfig
+from .packed import PackedWeight, packed_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -87,6 +88,8 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(self.make_layers(cfg))
         self.norm = self.make_norm(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # the LM head's packed form (weight_format.py); its dense copy is always kept: heads read its rows
+        self.lm_head_packed: PackedWeight | None = None
         self.requires_grad_(False)
         # layers whose outputs a forward keeps in `captured` ([T, len * H], in this order): EAGLE's features
         self.capture_layers: tuple[int, ...] = ()
@@ -122,7 +125,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return row_linear(hidden, weight, invariant=invariant).float()
+        logits = packed_linear(hidden, weight, None, self.lm_head_packed, invariant)
+        return (row_linear(hidden, weight, invariant=invariant) if logits is None else logits).float()
 
     # --- weights -------------------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from .layers import dummy_init_
 from .llama import CausalLM
 from .model_config import DUMMY_SHAPES, ModelConfig, from_hf_config
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from .weight_format import WeightReport, apply_weight_format
 
 log = logging.getLogger("turbospec.loader")
 
@@ -35,6 +36,7 @@ class LoadedModel:
     model: CausalLM
     tokenizer: Tokenizer
     source: str
+    weights: WeightReport | None = None  # which linears are packed, memory kept (weight_format.py)
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -49,8 +51,8 @@ def model_class(cfg: ModelConfig) -> type[CausalLM]:
     return Gemma3ForCausalLM if cfg.arch == "gemma3" else CausalLM
 
 
-def build_empty(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
-    """Construct without allocating or initialising (meta device), then give it uninitialised storage."""
+def build_meta(cfg: ModelConfig, dtype: torch.dtype) -> CausalLM:
+    """Construct on the meta device: shapes only, no memory, no initialisation."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -58,7 +60,12 @@ def build_empty(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device
             model = model_class(cfg)(cfg)
     finally:
         torch.set_default_dtype(previous)
-    return model.to_empty(device=device).eval()
+    return model.eval()
+
+
+def build_empty(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
+    """Construct without initialising, then give it uninitialised storage."""
+    return build_meta(cfg, dtype).to_empty(device=device).eval()
 
 
 def resolve(model: str) -> tuple[str, Path | None]:
@@ -81,11 +88,13 @@ def resolve(model: str) -> tuple[str, Path | None]:
 
 
 def load_model(model: str, dtype: str | torch.dtype = "bfloat16", device: str = "cpu",
-               progress: bool = True) -> LoadedModel:
-    """Load a model and its tokenizer; see the module docstring for what `model` may be."""
+               progress: bool = True, weight_format: str = "bf16") -> LoadedModel:
+    """Load a model and its tokenizer; see the module docstring for what `model` may be, and
+    weight_format.py for `weight_format` (auto, bf16, int4, int8)."""
     torch_dtype = parse_dtype(dtype)
     kind, path = resolve(model)
     start = time.perf_counter()
+    gguf: Path | None = None
     if kind == "dummy":
         cfg = DUMMY_SHAPES[model.split(":", 1)[1]]
         net = build_empty(cfg, torch_dtype, device)
@@ -98,8 +107,12 @@ def load_model(model: str, dtype: str | torch.dtype = "bfloat16", device: str = 
         gguf = registry.pull(model, progress=progress) if kind == "registry" else path
         assert gguf is not None
         loaded = _load_gguf_cached(gguf, model, torch_dtype, device, progress)
-    log.info("loaded %s (%s, %.1fM params) in %.1fs", model, torch_dtype, loaded.config.num_params() / 1e6,
-             time.perf_counter() - start)
+    on_cpu = torch.device(device).type == "cpu"  # the packed kernels are CPU kernels
+    loaded.weights = apply_weight_format(loaded.model, gguf if on_cpu else None,
+                                         weight_format if on_cpu or weight_format != "auto" else "bf16",
+                                         torch_dtype, model, progress, None if gguf is None else _cache_dir(gguf))
+    log.info("loaded %s (%s, %.1fM params) in %.1fs; %s", model, torch_dtype, loaded.config.num_params() / 1e6,
+             time.perf_counter() - start, loaded.weights.line())
     return loaded
 
 
@@ -116,8 +129,9 @@ def _load_gguf_cached(gguf: Path, name: str, dtype: torch.dtype, device: str, pr
     if weights_file.exists() and config_file.exists():
         cfg = ModelConfig(**json.loads(config_file.read_text()))
         cfg = dataclasses.replace(cfg, eos_token_ids=tuple(cfg.eos_token_ids))
-        net = build_empty(cfg, dtype, device)
-        net.load_state_dict(load_file(weights_file, device=str(device)), strict=True)
+        net = build_meta(cfg, dtype)  # the loaded tensors become the parameters: no second copy in memory
+        net.load_state_dict(load_file(weights_file, device=str(device)), strict=True, assign=True)
+        net.requires_grad_(False)
     else:
         cfg, tensors = load_gguf(gguf, name, progress=progress)
         net = build_empty(cfg, dtype, device)

@@ -40,7 +40,8 @@ def build_proposer(spec: SpeculativeConfig, engine: LLMEngine, progress: bool = 
             skip = plan.skip
         return LayerSkipProposer(engine.runner, skip, engine.adaptive_thresholds)
     assert spec.model is not None
-    draft = load_model(spec.model, engine.dtype, engine.config.device, progress=progress)
+    draft = load_model(spec.model, engine.dtype, engine.config.device, progress=progress,
+                       weight_format=engine.config.weight_format)
     check_same_vocabulary(engine.tokenizer, draft.tokenizer, spec.model)
     if draft.config.vocab_size != engine.model_config.vocab_size:
         raise ValueError(f"draft model {spec.model!r} has {draft.config.vocab_size} embedding rows, the target "

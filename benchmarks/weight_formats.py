@@ -1,0 +1,289 @@
+"""Weight formats against the peers a CPU user would pick: HF transformers and llama.cpp, one run.
+
+Single stream, greedy, batch 1, chat template, at most --max-tokens answer tokens, on the first MT-Bench turns
+and HumanEval tasks (the task's prompt pre-filled in a code fence, as the other benchmarks do), for one model:
+- HF transformers plain and with its prompt lookup (bf16, the GGUF dequantised);
+- llama.cpp plain and with its prompt lookup (llama-cpp-python on the same Q4_K_M file, built from source:
+  benchmarks/peers/llama_cpp_runner.py says how);
+- turbospec plain in each weight format (bf16, int4, auto), with its best speculative settings (draft model and
+  prompt lookup, k fixed) and with the goodput controller choosing k (auto weights);
+- 16 concurrent requests: output tokens/s of turbospec (continuous batching) against llama.cpp's Python API, which
+  decodes one sequence at a time (so does its server).
+Every row runs in its own process, so each row's peak resident memory is its own. One profile of a plain
+decode step says where the time goes.
+
+    .venv/bin/python benchmarks/weight_formats.py                          # full run (about 30 minutes here)
+    .venv/bin/python benchmarks/weight_formats.py --prompts 1 --max-tokens 16 --rows turbospec-auto --out /tmp/wf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+DRAFT = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
+SINGLE = ("hf-plain", "hf-prompt-lookup", "llama.cpp-plain", "llama.cpp-prompt-lookup", "turbospec-bf16",
+          "turbospec-int4", "turbospec-auto", "turbospec-pld-k4", "turbospec-sps-k4", "turbospec-adaptive")
+CONCURRENT = ("llama.cpp-16", "turbospec-auto-16", "turbospec-adaptive-16")
+
+
+def turbospec_options(row: str, model: str) -> tuple[str, dict[str, Any] | None]:
+    """(weight format, speculative config) of a turbospec row."""
+    if row == "turbospec-bf16":
+        return "bf16", None
+    if row == "turbospec-int4":
+        return "int4", None
+    if row in ("turbospec-auto", "turbospec-auto-16"):
+        return "auto", None
+    if row == "turbospec-pld-k4":
+        return "auto", {"method": "ngram", "num_speculative_tokens": 4}
+    if row == "turbospec-sps-k4":
+        return "auto", {"method": "draft", "model": DRAFT[model], "num_speculative_tokens": 4}
+    if row == "turbospec-adaptive":
+        return "auto", {"method": "draft", "model": DRAFT[model], "num_speculative_tokens": "auto"}
+    if row == "turbospec-adaptive-16":
+        return "auto", {"method": "ngram", "num_speculative_tokens": "auto"}
+    raise ValueError(row)
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory. VmHWM, not ru_maxrss: a forked child inherits its parent's
+    ru_maxrss, while VmHWM belongs to the address space exec made."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_turbospec(job: dict[str, Any]) -> dict[str, Any]:
+    from turbospec import LLM, SamplingParams
+
+    fmt, spec = turbospec_options(job["row"], job["model"])
+    # a KV cache for 16 sequences of 2,048 tokens at most (llama.cpp's runner gets n_ctx 2048), not the default 4 GiB
+    llm = LLM(job["model"], weight_format=fmt, speculative_config=spec, num_threads=job["threads"], progress=False,
+              enable_prefix_caching=False, max_num_seqs=16, max_model_len=2048,
+              kv_cache_memory_gib=1.0 if job["row"].endswith("-16") else 0.25)
+    params = SamplingParams(temperature=0, max_tokens=job["max_tokens"])
+    llm.generate({"prompt_token_ids": job["sets"]["mt-bench"][0]}, SamplingParams(temperature=0, max_tokens=4),
+                 use_tqdm=False)  # warm-up (and the controller's step-time profile, cached)
+    result: dict[str, Any] = {"weights": llm.engine.loaded.weights.line(), "sets": {}}
+    if job["row"].endswith("-16"):
+        prompts = [{"prompt_token_ids": ids} for ids in job["concurrent"]]
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        result["sets"]["concurrent-16"] = {"seconds": seconds, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+    else:
+        for name, sets in job["sets"].items():
+            llm.engine.reset_spec_stats()
+            outputs, seconds = [], 0.0
+            for ids in tqdm(sets, desc=f"{job['row']} {name}", unit="prompt", leave=False):
+                start = time.perf_counter()
+                out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+                seconds += time.perf_counter() - start
+                outputs.append(out.outputs[0].token_ids)
+            stats = llm.spec_stats()
+            result["sets"][name] = {"outputs": outputs, "seconds": seconds, "tokens": sum(map(len, outputs)),
+                                    "tau": stats.get("mean_accepted_length") or None, "mean_k": stats.get("mean_k")}
+    if job.get("profile"):
+        result["profile"] = profile_decode(llm, job["sets"]["humaneval"][0])
+    result["peak_rss_mib"] = peak_rss_mib()
+    return result
+
+
+def profile_decode(llm: Any, ids: list[int], steps: int = 16) -> list[dict[str, Any]]:
+    """Self CPU time by operator over `steps` plain decode steps: where a token's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from turbospec import SamplingParams
+
+    engine = llm.engine
+    rid = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+    while engine.requests[rid].is_prefilling or engine.requests[rid].num_computed_tokens == 0:
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - start
+    engine.abort_request(rid)
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    out = [{"op": e.key, "ms_per_step": e.self_cpu_time_total / 1e3 / steps, "calls_per_step": e.count / steps}
+           for e in rows]
+    out.append({"op": "(wall time per step)", "ms_per_step": wall * 1e3 / steps, "calls_per_step": 1})
+    return out
+
+
+def run_hf(job: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from turbospec.models.registry import pull
+
+    path = pull(job["model"], progress=False)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16).eval()
+    torch.set_num_threads(job["threads"])
+    extra = {"prompt_lookup_num_tokens": 4} if job["row"] == "hf-prompt-lookup" else {}
+    eos = job["eos"]
+    result: dict[str, Any] = {"sets": {}}
+    for name, sets in job["sets"].items():
+        outputs, seconds = [], 0.0
+        for ids in tqdm(sets, desc=f"{job['row']} {name}", unit="prompt", leave=False):
+            x = torch.tensor([ids])
+            start = time.perf_counter()
+            with torch.inference_mode():
+                gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=job["max_tokens"],
+                                     do_sample=False, eos_token_id=eos, pad_token_id=eos[0], **extra)
+            seconds += time.perf_counter() - start
+            outputs.append([t for t in gen[0, len(ids):].tolist() if t not in eos])
+        result["sets"][name] = {"outputs": outputs, "seconds": seconds, "tokens": sum(map(len, outputs)), "tau": None}
+    result["peak_rss_mib"] = peak_rss_mib()
+    return result
+
+
+def run_llama_cpp(job: dict[str, Any], python: str, tmp: Path) -> dict[str, Any]:
+    from turbospec.models.registry import pull
+
+    gguf = str(pull(job["model"], progress=False))
+    mode = {"llama.cpp-plain": "plain", "llama.cpp-prompt-lookup": "prompt-lookup", "llama.cpp-16": "plain"}[job["row"]]
+    result: dict[str, Any] = {"sets": {}}
+    peak = 0.0
+    sets = {"concurrent-16": job["concurrent"]} if job["row"] == "llama.cpp-16" else job["sets"]
+    for name, prompts in sets.items():
+        spec = tmp / f"{job['row']}-{name}.json"
+        out = tmp / f"{job['row']}-{name}.out.json"
+        spec.write_text(json.dumps({"gguf": gguf, "prompts": prompts, "max_tokens": job["max_tokens"],
+                                    "threads": job["threads"], "mode": mode, "k": 4}))
+        subprocess.run([python, str(ROOT / "peers" / "llama_cpp_runner.py"), str(spec), str(out)], check=True)
+        got = json.loads(out.read_text())
+        seconds = got["wall_seconds"] if name == "concurrent-16" else got["seconds"]
+        result["sets"][name] = {"seconds": seconds, "tokens": got["tokens"], "tau": None}
+        peak = max(peak, got["peak_rss_mib"])
+    result["peak_rss_mib"] = peak
+    return result
+
+
+def build_job(args: argparse.Namespace) -> dict[str, Any]:
+    from turbospec.bench.humaneval import answer_prefix, load_humaneval
+    from turbospec.bench.humaneval import chat_messages as humaneval_messages
+    from turbospec.bench.prompts import load_mtbench
+    from turbospec.models.loader import load_model
+
+    tok = load_model(args.model, "bfloat16", progress=False, weight_format="bf16").tokenizer
+    mt = [tok.apply_chat_template([{"role": "user", "content": p.text}]) for p in load_mtbench(8)]
+    he = [tok.apply_chat_template(humaneval_messages(t)) + tok.encode(answer_prefix(t), add_special_tokens=False)
+          for t in load_humaneval(8)]
+    return {"model": args.model, "max_tokens": args.max_tokens, "threads": args.threads,
+            "sets": {"mt-bench": mt[:args.prompts], "humaneval": he[:args.prompts]},
+            "concurrent": [p for pair in zip(mt, he) for p in pair][:16], "eos": list(tok.eos_token_ids)}
+
+
+def child(args: argparse.Namespace) -> None:
+    job = json.loads(Path(args.job).read_text())
+    result = run_hf(job) if job["row"].startswith("hf-") else run_turbospec(job)
+    Path(args.result).write_text(json.dumps(result))
+
+
+def tok_s(row: dict[str, Any], name: str) -> float | None:
+    s = row["sets"].get(name)
+    return s["tokens"] / s["seconds"] if s and s["seconds"] else None
+
+
+def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    ref = next((r for r in rows if r["row"] == "llama.cpp-plain"), None)
+    lines = [f"# Weight formats vs HF transformers and llama.cpp: {meta['model']}", "",
+             f"- {meta['command']}", f"- {meta['machine']}, {meta['threads']} threads, torch {meta['torch']}, "
+             f"{meta['date']}, commit {meta['commit']}",
+             f"- single stream, greedy, chat template, at most {meta['max_tokens']} tokens, {meta['prompts']} MT-Bench "
+             "first turns + the same number of HumanEval tasks; 16 concurrent: 8 of each, at once", "",
+             "| row | MT-Bench tok/s | HumanEval tok/s | tau MT / HE | mean k MT / HE | vs llama.cpp plain MT / HE "
+             "| peak RSS MiB |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "concurrent-16" in r["sets"]:
+            continue
+        mt, he = tok_s(r, "mt-bench"), tok_s(r, "humaneval")
+        tau = " / ".join(f"{t:.2f}" if (t := r["sets"][n].get("tau")) else "-" for n in ("mt-bench", "humaneval"))
+        mean_k = " / ".join(f"{k:.1f}" if (k := r["sets"][n].get("mean_k")) is not None else "-"
+                            for n in ("mt-bench", "humaneval"))
+        vs = (f"{mt / tok_s(ref, 'mt-bench'):.2f}x / {he / tok_s(ref, 'humaneval'):.2f}x" if ref else "-")
+        lines.append(f"| {r['row']} | {mt:.2f} | {he:.2f} | {tau} | {mean_k} | {vs} | {r['peak_rss_mib']:.0f} |")
+    conc = [r for r in rows if "concurrent-16" in r["sets"]]
+    if conc:
+        base = next((r for r in conc if r["row"] == "llama.cpp-16"), None)
+        lines += ["", "| 16 concurrent requests | output tok/s | vs llama.cpp | peak RSS MiB |", "|---|---|---|---|"]
+        for r in conc:
+            t = tok_s(r, "concurrent-16")
+            vs = f"{t / tok_s(base, 'concurrent-16'):.2f}x" if base else "-"
+            lines.append(f"| {r['row']} | {t:.2f} | {vs} | {r['peak_rss_mib']:.0f} |")
+    weights = [(r["row"], r["weights"]) for r in rows if r.get("weights")]
+    if weights:
+        lines += ["", "Weights kept (load log):", ""] + [f"- {row}: {w}" for row, w in weights]
+    prof = next((r["profile"] for r in rows if r.get("profile")), None)
+    if prof:
+        lines += ["", "Where a plain decode step goes (turbospec-auto, torch profiler, self CPU time):", "",
+                  "| operator | ms per step | calls per step |", "|---|---|---|"]
+        lines += [f"| {p['op']} | {p['ms_per_step']:.2f} | {p['calls_per_step']:.0f} |" for p in prof]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-coder-1.5b")
+    p.add_argument("--prompts", type=int, default=3, help="per data set")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", default=",".join(SINGLE + CONCURRENT))
+    p.add_argument("--llamacpp-python", default="/tmp/llamacpp-venv/bin/python")
+    p.add_argument("--out", default=str(ROOT / "results" / "weight_formats"))
+    p.add_argument("--job", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.job:
+        return child(args)
+    from turbospec.bench.machine import benchmark_meta, save_results
+
+    rows_wanted = args.rows.split(",")
+    unknown = set(rows_wanted) - set(SINGLE + CONCURRENT)
+    if unknown:
+        p.error(f"unknown rows {sorted(unknown)}: expected some of {', '.join(SINGLE + CONCURRENT)}")
+    out = Path(args.out)
+    partial = out.with_suffix(".partial.json")
+    done = {r["row"]: r for r in json.loads(partial.read_text())["rows"]} if partial.exists() else {}
+    job = build_job(args)
+    meta = benchmark_meta(args.threads, model=args.model, prompts=args.prompts, max_tokens=args.max_tokens)
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        for row in tqdm(rows_wanted, desc="rows", unit="row"):
+            if row in done:
+                continue
+            row_job = {**job, "row": row, "profile": row == "turbospec-auto"}
+            if row.startswith("llama.cpp"):
+                result = run_llama_cpp(row_job, args.llamacpp_python, tmp)
+            else:
+                (tmp / "job.json").write_text(json.dumps(row_job))
+                subprocess.run([sys.executable, __file__, "--job", str(tmp / "job.json"), "--result",
+                                str(tmp / "result.json")], check=True)
+                result = json.loads((tmp / "result.json").read_text())
+            done[row] = {"row": row, **result}
+            summary = {n: round(tok_s(done[row], n) or 0, 2) for n in done[row]["sets"]}
+            tqdm.write(f"{row}: {summary} tok/s, peak {done[row]['peak_rss_mib']:.0f} MiB")
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps({"meta": meta, "rows": list(done.values())}))
+    rows = [done[r] for r in rows_wanted]
+    save_results(out, meta, rows, markdown(meta, rows))
+
+
+if __name__ == "__main__":
+    main()

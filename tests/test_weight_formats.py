@@ -1,0 +1,214 @@
+"""Packed weight formats: GGUF blocks taken apart exactly, packed kernels against their dequantised reference,
+per-call kernel choice, and the formats on a real model (greedy output and refusals)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from turbospec import LLM, SamplingParams, kernels
+from turbospec.config import EngineConfig
+from turbospec.models import gguf_blocks
+from turbospec.models.crossover import crossover_rows
+from turbospec.models.layers import RowLinear
+from turbospec.models.loader import load_model
+from turbospec.models.packed import pack, packed_dense
+from turbospec.models.weight_format import WeightFormatError
+
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q8_0": 34, "Q5_0": 22, "Q6_K": 210}
+BLOCK_VALUES = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q8_0": 32, "Q5_0": 32, "Q6_K": 256}
+# where each block type keeps its float16 scale(s): random bytes there could spell inf or NaN
+F16_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q6_K": (208,)}
+
+
+def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random but valid raw blocks: every bit pattern is a legal block once its float16 scales are finite."""
+    rng = np.random.default_rng(seed)
+    n = rows * cols // BLOCK_VALUES[type_name]
+    blocks = rng.integers(0, 256, size=(n, BLOCK_BYTES[type_name]), dtype=np.uint8)
+    for off in F16_OFFSETS[type_name]:
+        scale = rng.uniform(-0.05, 0.05, n).astype(np.float16)
+        blocks[:, off:off + 2] = scale.view(np.uint8).reshape(n, 2)
+    return blocks
+
+
+@pytest.mark.parametrize("type_name", list(BLOCK_BYTES))
+def test_blocks_decode_to_exactly_ggufs_own_dequantisation(type_name):
+    rows, cols = 6, 512
+    raw = random_blocks(type_name, rows, cols)
+    groups = gguf_blocks.decode(raw, type_name, rows, cols)
+    reference = quants.dequantize(raw, GGMLQuantizationType[type_name]).reshape(rows, cols)
+    assert np.array_equal(groups.dequantize(), reference)  # bit for bit, not close
+    kind = gguf_blocks.Int4Groups if type_name in gguf_blocks.INT4_TYPES else gguf_blocks.Int8Groups
+    assert isinstance(groups, kind)
+    if kind is gguf_blocks.Int4Groups:
+        assert groups.q.min() >= 0 and groups.q.max() <= 15
+
+
+def test_types_without_an_exact_packed_form_are_not_decoded():
+    assert gguf_blocks.decode(np.zeros(24 * 4, np.uint8), "Q5_1", 4, 32) is None
+    assert not gguf_blocks.decodable("F16")
+
+
+def _dense_reference(groups: list) -> torch.Tensor:
+    return torch.from_numpy(np.concatenate([g.dequantize() for g in groups]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("types", [("Q4_K",), ("Q4_1", "Q4_0"), ("Q6_K",), ("Q4_K", "Q4_K", "Q6_K"), ("Q8_0",),
+                                   ("Q5_0", "Q8_0")])
+def test_packed_linear_matches_its_dequantised_reference(types, dtype):
+    cols = 512
+    groups = [gguf_blocks.decode(random_blocks(t, 48, cols, seed=i), t, 48, cols) for i, t in enumerate(types)]
+    packed = pack(groups, dtype)
+    dense = packed_dense(packed, groups)
+    merged = sum(1 for a, b in zip(types, types[1:]) if (a in gguf_blocks.INT4_TYPES) == (b in gguf_blocks.INT4_TYPES))
+    assert len(packed.parts) == len(types) - merged  # same-kind neighbours (q|k, gate|up) share one kernel call
+    exact = _dense_reference(groups)
+    # the dense copy is the packed values: exact for int8 groups, int4 scales rounded to the compute dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(dense, exact, rtol=tol, atol=tol * exact.abs().max().item())
+    bias = torch.randn(dense.shape[0])
+    for rows in (1, 3, 9):
+        x = torch.randn(rows, cols).to(dtype)
+        got = packed.mm(x, bias).float()
+        want = x.float() @ dense.t() + bias
+        scale = want.abs().max().item()
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert (got - want).abs().max().item() <= (1e-4 if dtype == torch.float32 else 2e-2) * scale
+
+
+def test_packed_parts_survive_the_cache_round_trip(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from turbospec.models.packed import load_parts, save_parts
+
+    groups = [gguf_blocks.decode(random_blocks(t, 16, 256, seed=i), t, 16, 256) for i, t in enumerate(("Q4_K", "Q6_K"))]
+    packed = pack(groups, torch.bfloat16)
+    tensors: dict[str, torch.Tensor] = {}
+    kinds = save_parts(packed, "layers.0.mlp.down.weight", tensors)
+    save_file(tensors, str(tmp_path / "p.safetensors"))
+    again = load_parts(kinds, "layers.0.mlp.down.weight", load_file(str(tmp_path / "p.safetensors")), torch.bfloat16)
+    x = torch.randn(2, 256).bfloat16()
+    assert again.signature == packed.signature and torch.equal(again.mm(x), packed.mm(x))
+
+
+def test_compiled_int8_kernel_and_fallback_agree():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(-128, 128, (40, 96), dtype=torch.int8, generator=gen)
+    s = torch.rand(40, 6, generator=gen)
+    x = torch.randn(5, 96, generator=gen)
+    want = kernels.grouped_int8_mm_reference(x, q, s)
+    module = kernels.load()
+    if module is None:  # a machine without a compiler: the fallback is the reference itself
+        pytest.skip(f"compiled kernel unavailable here: {kernels.failure()}")
+    for rows in range(1, 6):  # 1..4 and a remainder block
+        got = module.grouped_int8_mm(x[:rows], q, s)
+        assert torch.allclose(got, want[:rows], rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        module.grouped_int8_mm(torch.randn(1, 90), q[:, :90].contiguous(), s[:, :5].contiguous())
+
+
+def test_rowlinear_runs_packed_up_to_the_crossover_then_dense(monkeypatch):
+    groups = [gguf_blocks.decode(random_blocks("Q4_K", 32, 256), "Q4_K", 32, 256)]
+    packed = pack(groups, torch.float32)
+    dense = packed_dense(packed, groups)
+    packed.max_rows = 2
+    linear = RowLinear(256, 32, bias=False)
+    linear.weight.data.copy_(dense)
+    linear.packed = packed
+    calls = []
+    monkeypatch.setattr(packed, "mm", lambda x, bias=None: calls.append(x.shape[0]) or torch.zeros(x.shape[0], 32))
+    linear(torch.randn(1, 256))
+    linear(torch.randn(2, 256))
+    linear(torch.randn(3, 256))  # above the crossover: dense
+    linear(torch.randn(1, 256), invariant=True)  # batch-invariant mode: dense kernels only
+    linear(torch.randn(1, 256).double())  # another dtype than the packed scales (LayerCast): dense
+    assert calls == [1, 2]
+    linear.weight = None  # packed only (int4 / int8): every call runs packed
+    linear(torch.randn(7, 256))
+    assert calls == [1, 2, 7]
+
+
+def test_crossover_is_the_last_row_count_of_an_unbroken_win():
+    assert crossover_rows({1: (1.0, 2.0), 2: (1.5, 2.0), 4: (2.5, 2.0), 8: (1.0, 2.0)}) == 2
+    assert crossover_rows({1: (3.0, 2.0), 2: (1.0, 2.0)}) == 0  # losing at one row: never packed
+
+
+@pytest.mark.slow
+def test_formats_on_smollm2_give_plain_decodings_greedy_output():
+    """Float32: the packed kernels and the dense copy compute the same model as the bf16 format's weights."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+    outputs, reports = {}, {}
+    for fmt in ("bf16", "auto", "int4"):
+        llm = LLM("smollm2-135m", dtype="float32", weight_format=fmt, kv_cache_memory_gib=0.25, progress=False)
+        outputs[fmt] = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        reports[fmt] = llm.engine.loaded.weights
+        del llm
+    assert outputs["auto"] == outputs["bf16"] and outputs["int4"] == outputs["bf16"]
+    assert reports["bf16"].packed_linears == 0
+    assert reports["int4"].packed_linears == 30 * 4 + 1  # every layer's 4 linears and the (tied) LM head
+    assert reports["int4"].part_kinds["int8"] == 1  # the Q8_0 embedding as LM head
+    assert reports["int4"].dense_bytes < reports["auto"].dense_bytes / 2  # no dense copies of the layers
+
+
+@pytest.mark.slow
+def test_packed_logits_match_the_bf16_formats_in_bfloat16():
+    """bf16 activations: one decode step's logits through the packed kernels are the dense ones up to rounding."""
+    loaded = {fmt: load_model("smollm2-135m", "bfloat16", weight_format=fmt, progress=False)
+              for fmt in ("bf16", "int4")}
+    ids = torch.tensor([1, 504, 3120, 28, 253])
+    logits = {}
+    for fmt, lm in loaded.items():
+        hidden = lm.model.embed(ids)[-1:]  # one row: the packed path in every linear
+        logits[fmt] = lm.model.compute_logits(lm.model.norm(hidden)).float()
+    diff = (logits["int4"] - logits["bf16"]).abs().max().item()
+    assert diff <= 0.05 * logits["bf16"].abs().max().item()
+
+
+@pytest.mark.slow
+def test_formats_the_file_cannot_provide_are_refused():
+    with pytest.raises(WeightFormatError, match=r"int8 needs every linear in Q8_0 / Q6_K.*Q4_1"):
+        load_model("smollm2-135m", "bfloat16", weight_format="int8", progress=False)
+    with pytest.raises(WeightFormatError, match="not a GGUF"):
+        load_model("dummy:tiny", "float32", weight_format="int4", progress=False)
+    with pytest.raises(WeightFormatError, match="float16"):
+        load_model("smollm2-135m", "float16", weight_format="int4", progress=False)
+    dummy = load_model("dummy:tiny", "float32", weight_format="auto", progress=False)
+    assert dummy.weights.packed_linears == 0  # auto on a dense source: dense, no error
+
+
+def test_engine_config_validates_the_weight_format():
+    with pytest.raises(ValueError, match="auto, bf16, int4, int8"):
+        EngineConfig("dummy:tiny", weight_format="q3_k")
+    with pytest.raises(ValueError, match="keeps no dense weights"):
+        EngineConfig("dummy:tiny", weight_format="int4", deterministic="batch-invariant")
+
+
+@pytest.mark.slow
+def test_cli_refuses_an_impossible_format_with_exit_code_2():
+    done = subprocess.run([sys.executable, "-m", "turbospec.cli", "generate", "--model", "smollm2-135m",
+                           "--prompt", "hi", "--weight-format", "int8"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert "Q4_1" in done.stderr and "auto" in done.stderr
+
+
+@pytest.mark.slow
+def test_step_time_profiles_are_per_weight_format():
+    """A packed engine's step times have another shape: it must never reuse a dense engine's cached profile."""
+    from turbospec.control.profiler import profile_key
+    from turbospec.engine import LLMEngine
+
+    keys = {}
+    for fmt in ("bf16", "auto"):
+        engine = LLMEngine(EngineConfig("smollm2-135m", weight_format=fmt, kv_cache_memory_gib=0.25), progress=False)
+        keys[fmt] = profile_key(engine)
+        del engine
+    assert "weights" not in keys["bf16"]  # dense models keep their old cache keys
+    assert keys["auto"]["weights"].startswith("auto:") and "int4:" in keys["auto"]["weights"]

@@ -1,0 +1,88 @@
+"""Our own compiled CPU kernel (grouped int8 matmul), built on first use with torch's extension builder.
+
+The build needs a C++ compiler and ninja; it is cached in `turbospec/kernels/_build`, and `make setup`
+runs it once (`python -m turbospec.kernels`). When it cannot be built (no compiler, another OS) or
+`TURBOSPEC_NO_KERNELS=1` is set, `grouped_int8_mm` falls back to pure torch: dequantise, then matmul.
+The fallback computes the same values, only slower, so nothing depends on the build succeeding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger("turbospec.kernels")
+
+SOURCE = Path(__file__).with_name("grouped_int8.cpp")
+GROUP = 16
+_module: ModuleType | None = None
+_failure: str | None = None
+
+
+def _build_dir() -> Path:
+    """Next to the source when writable (one build per checkout, whatever TURBOSPEC_HOME a process uses),
+    else under $TURBOSPEC_HOME/kernels."""
+    from ..models.registry import turbospec_home
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    digest = hashlib.sha256(SOURCE.read_bytes() + f"{torch.__version__}:{capability}".encode()).hexdigest()[:12]
+    local = SOURCE.parent / "_build"
+    root = local if os.access(SOURCE.parent, os.W_OK) else turbospec_home() / "kernels"
+    return root / f"grouped_int8-{digest}"
+
+
+def _flags() -> list[str]:
+    flags = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for shares torch's thread pool (torch ships libgomp)
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":
+        flags.append("-mavx512f")  # the C++ has a portable loop for other CPUs
+    return flags
+
+
+def load(verbose: bool = False) -> ModuleType | None:
+    """The compiled module, building it if needed; None (with the reason in `failure()`) when unavailable."""
+    global _module, _failure
+    if _module is not None or _failure is not None:
+        return _module
+    if os.environ.get("TURBOSPEC_NO_KERNELS") == "1":
+        _failure = "disabled by TURBOSPEC_NO_KERNELS=1"
+        return None
+    try:
+        from torch.utils.cpp_extension import load as build
+
+        bin_dir = str(Path(sys.executable).parent)  # the venv's ninja, when PATH does not have it
+        if shutil.which("ninja") is None and bin_dir not in os.environ.get("PATH", ""):
+            os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+        directory = _build_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        _module = build("turbospec_grouped_int8", [str(SOURCE)], extra_cflags=_flags(), extra_ldflags=["-fopenmp"],
+                        build_directory=str(directory), verbose=verbose)
+    except Exception as exc:  # any build problem means: use the fallback
+        _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        log.warning("compiled int8 kernel unavailable (%s); using the pure-torch fallback", _failure)
+    return _module
+
+
+def failure() -> str | None:
+    return _failure
+
+
+def grouped_int8_mm_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ (q * scale per 16 inputs)^T in float32, by dequantising: the fallback and the tests' reference."""
+    w = q.float() * scale.repeat_interleave(GROUP, dim=1)
+    return x.float() @ w.t()
+
+
+def grouped_int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 [M, N] = x [M, K] @ (q [N, K] int8 * scale [N, K / 16] float32)^T."""
+    module = load()
+    if module is None:
+        return grouped_int8_mm_reference(x, q, scale)
+    return module.grouped_int8_mm(x, q, scale)
+
