@@ -212,3 +212,20 @@ def test_step_time_profiles_are_per_weight_format():
         del engine
     assert "weights" not in keys["bf16"]  # dense models keep their old cache keys
     assert keys["auto"]["weights"].startswith("auto:") and "int4:" in keys["auto"]["weights"]
+
+
+def test_int4_packing_refuses_rows_torch_cannot_pack():
+    groups = [gguf_blocks.decode(random_blocks("Q4_K", 8, 256), "Q4_K", 8, 256)]
+    with pytest.raises(ValueError, match="multiples of 16"):
+        pack(groups, torch.bfloat16)
+
+
+@pytest.mark.slow
+def test_packed_only_engines_refuse_per_request_determinism():
+    from turbospec.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig("smollm2-135m", weight_format="int4", kv_cache_memory_gib=0.25), progress=False)
+    for mode in ("llm42", "margin-gate"):
+        with pytest.raises(ValueError, match="only packed weights"):
+            engine.request_determinism(mode)
+    assert engine.request_determinism(None) is None

@@ -87,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--max-tokens", type=int, default=64, help="tokens decoded per prompt")
     cal.add_argument("--safety", type=float, default=2.0, help="threshold = safety x the largest drift seen")
     cal.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
+    _weight_format_flag(cal)
     cal.add_argument("--num-threads", type=int, default=None)
 
     lay = sub.add_parser("search-layers", help="search the layers a layer-skip draft skips and cache the result "
@@ -223,6 +224,7 @@ def _tool_engine(args: argparse.Namespace, **options: Any) -> Any:
     from .engine import LLMEngine
 
     return LLMEngine(EngineConfig(args.model, dtype=args.dtype, num_threads=args.num_threads,
+                                  weight_format=getattr(args, "weight_format", "auto"),
                                   **{"kv_cache_memory_gib": 0.25, **options}))
 
 

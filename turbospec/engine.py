@@ -191,6 +191,10 @@ class LLMEngine:
         if value not in REQUEST_DETERMINISTIC_MODES:
             raise ValueError(f"unknown deterministic mode {value!r}: a request may ask for one of "
                              f"{', '.join(REQUEST_DETERMINISTIC_MODES)}")
+        if self.config.weight_format in ("int4", "int8"):
+            raise ValueError(f"deterministic modes run dense kernels with a fixed reduction order; this engine keeps "
+                             f"only packed weights (weight_format {self.config.weight_format!r}): start it with "
+                             "weight_format auto or bf16")
         if mode == "layercast":
             raise ValueError("this engine runs LayerCast (float32 compute and KV): per-request deterministic modes "
                              "are not available on it")

@@ -130,7 +130,11 @@ def merge_groups(groups: list[Groups]) -> list[Groups]:
 
 
 def pack(groups: list[Groups], dtype: torch.dtype) -> PackedWeight:
-    """Packed parts for a linear's row segments (same-kind neighbours merged)."""
+    """Packed parts for a linear's row segments (same-kind neighbours merged). ValueError when torch's int4
+    packing cannot take a part (it needs output rows in multiples of 16)."""
+    for g in merge_groups(groups):
+        if isinstance(g, Int4Groups) and g.q.shape[0] % 16:
+            raise ValueError(f"int4 packing needs output rows in multiples of 16, got {g.q.shape[0]}")
     return PackedWeight([Int4Part.from_groups(g, dtype) if isinstance(g, Int4Groups) else Int8Part.from_groups(g, dtype)
                          for g in merge_groups(groups)])
 
@@ -167,7 +171,9 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tens
     more rows than the measured crossover and a dense copy exists."""
     if packed is None:
         return None
-    if weight is None:  # packed only (int4 / int8): the config refuses the modes that need a dense copy
+    if weight is None:  # packed only (int4 / int8): engine and requests refuse the modes that need a dense copy
+        if invariant:
+            raise RuntimeError("the batch-invariant path needs dense weights; this linear keeps only packed ones")
         return packed.mm(x.to(packed.dtype), bias).to(x.dtype)
     if invariant or x.dtype != packed.dtype or x.shape[0] > packed.max_rows:
         return None

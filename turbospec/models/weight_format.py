@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,16 +130,25 @@ def _decode_all(net: CausalLM, reader, targets: dict[str, list], dtype: torch.dt
     raw_arch = read_metadata(reader).get("general.architecture", net.cfg.arch)
     packable = {name: ts for name, ts in targets.items()
                 if all(t is not None and gguf_blocks.decodable(t.tensor_type.name) for t in ts)}
-    return {name: pack([_groups(t, net, raw_arch) for t in ts], dtype)
-            for name, ts in tqdm(packable.items(), desc="pack weights", unit="linear", disable=not progress,
-                                 leave=False)}
+    packs = {}
+    for name, ts in tqdm(packable.items(), desc="pack weights", unit="linear", disable=not progress, leave=False):
+        groups = [_groups(t, net, raw_arch) for t in ts]
+        try:
+            if any(g is None for g in groups):  # e.g. a row length that is not a whole number of blocks
+                raise ValueError("no whole blocks")
+            packs[name] = pack(groups, dtype)
+        except ValueError as exc:  # stays dense (auto); int4 / int8 refuse it below
+            log.info("%s keeps no packed form: %s", name, exc)
+    return packs
 
 
 def _load_packs(net: CausalLM, gguf: Path, dtype: torch.dtype, progress: bool,
                 cache_dir: Path | None) -> tuple[dict[str, list[str]], dict[str, PackedWeight]]:
     """(our linear -> its GGUF block types, our linear -> packed form for those that have an exact one), from
     the cache file when there is one: opening a GGUF parses its whole vocabulary (14 s for Qwen's)."""
-    path = None if cache_dir is None else cache_dir / f"packed-v1-{str(dtype).removeprefix('torch.')}.safetensors"
+    # torch's int4 layout depends on its version and the CPU's vector width: both name the file
+    tag = f"{str(dtype).removeprefix('torch.')}-{torch.__version__}-{torch.backends.cpu.get_cpu_capability()}"
+    path = None if cache_dir is None else cache_dir / f"packed-v1-{re.sub(r'[^A-Za-z0-9_.-]', '_', tag)}.safetensors"
     if path is not None and path.exists():
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata()
@@ -164,23 +174,27 @@ def _pack_from_gguf(net: CausalLM, gguf: Path, fmt: str, dtype: torch.dtype, rep
     types, packs = _load_packs(net, gguf, dtype, progress, cache_dir)
     allowed = _allowed(fmt)
     refused = {name: tys for name, tys in types.items() if any(ty not in allowed for ty in tys)}
-    if refused and fmt in ("int4", "int8"):
-        counts = Counter(ty for tys in refused.values() for ty in tys)
+    if fmt in ("int4", "int8"):  # linears the packed kernels cannot take at all (not only by block type)
+        refused.update({name: tys for name, tys in types.items() if name not in packs and name not in refused})
+    strict = {name: tys for name, tys in refused.items() if name != "lm_head.weight"}  # the head stays dense anyway
+    if strict and fmt in ("int4", "int8"):
+        counts = Counter(ty for tys in strict.values() for ty in tys)
         listing = ", ".join(f"{ty} ({n} tensors)" for ty, n in counts.most_common())
         raise WeightFormatError(f"weight format {fmt} needs every linear in {' / '.join(allowed)}; {gguf.name} "
-                                f"has {len(refused)} linears holding {listing}: use --weight-format auto (packs what "
+                                f"has {len(strict)} linears holding {listing}: use --weight-format auto (packs what "
                                 "it can exactly) or bf16")
     crossover = CrossoverCache(cache_path(dtype))
     for name in types:
         if name in refused or name not in packs:
-            report.kept_dense[name] = "block types " + "/".join(refused.get(name, ["?"])) + " have no exact packed form"
+            report.kept_dense[name] = "block types " + "/".join(types[name]) + " have no exact packed form"
             report.dense_only_linears += 1
             continue
         packed = packs[name]
-        dense = net.get_parameter("embed.weight" if name == "lm_head.weight" and net.lm_head is None else name)
-        packed.max_rows = crossover.rows(packed, dense.data)
-        report.crossover[packed.signature] = packed.max_rows
         packed_only = fmt in ("int4", "int8") and name != "lm_head.weight"
+        if not packed_only:  # (timing a packed-only linear would also page its unused dense weights in)
+            dense = net.get_parameter("embed.weight" if name == "lm_head.weight" and net.lm_head is None else name)
+            packed.max_rows = crossover.rows(packed, dense.data)
+            report.crossover[packed.signature] = packed.max_rows
         if packed.max_rows == 0 and not packed_only:  # never faster here: keep the memory
             report.kept_dense[name] = "packed kernel slower than dense at every row count on this machine"
             report.dense_only_linears += 1

@@ -74,6 +74,7 @@ def plan_key(engine: LLMEngine) -> dict[str, str]:
     key = profile_key(engine)
     key.pop("speculation", None)
     key.pop("threads", None)  # the search reads acceptance, not time
+    key.pop("weights", None)  # packed or dense, the same model up to rounding: the same plan
     key["search"] = "layer-skip-v1"
     return key
 
