@@ -10,6 +10,7 @@ model's six signatures take a few seconds.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -82,7 +83,7 @@ class CrossoverCache:
     def save(self) -> None:
         if self.dirty:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".partial")
+            tmp = self.path.with_suffix(f".{os.getpid()}.partial")  # two loads at once: own files
             tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
             tmp.rename(self.path)
             self.dirty = False

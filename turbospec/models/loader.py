@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,7 +138,7 @@ def _load_gguf_cached(gguf: Path, name: str, dtype: torch.dtype, device: str, pr
         net = build_empty(cfg, dtype, device)
         net.load_weights(tensors)
         cache.mkdir(parents=True, exist_ok=True)
-        tmp = weights_file.with_suffix(".partial")
+        tmp = weights_file.with_suffix(f".{os.getpid()}.partial")  # two loads at once: each its own file
         save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(tmp))
         tmp.rename(weights_file)
         config_file.write_text(json.dumps(dataclasses.asdict(cfg)))

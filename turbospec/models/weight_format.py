@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -163,7 +164,7 @@ def _load_packs(net: CausalLM, gguf: Path, dtype: torch.dtype, progress: bool,
         tensors = {}
         kinds = {name: save_parts(packed, name, tensors) for name, packed in packs.items()}
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".partial")
+        tmp = path.with_suffix(f".{os.getpid()}.partial")  # two loads at once: each its own file
         save_file(tensors, str(tmp), metadata={"kinds": json.dumps(kinds), "types": json.dumps(types)})
         tmp.rename(path)  # atomic: a crash never leaves a half-written cache
     return types, packs
