@@ -46,12 +46,6 @@ class Int4Part:
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, Int4Groups.group, self.scales_zeros)
 
-    def dense(self, groups: Int4Groups) -> torch.Tensor:
-        """The same weight as the kernel computes it (scales rounded to the compute dtype), float32 [N, K]."""
-        s = self.scales_zeros[..., 0].float().t().repeat_interleave(Int4Groups.group, dim=1)
-        z = self.scales_zeros[..., 1].float().t().repeat_interleave(Int4Groups.group, dim=1)
-        return (torch.from_numpy(groups.q).float() - 8.0) * s + z
-
     @property
     def nbytes(self) -> int:
         return self.weight.nbytes + self.scales_zeros.nbytes
@@ -77,9 +71,6 @@ class Int8Part:
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.grouped_int8_mm(x, self.q, self.scale).to(x.dtype)
-
-    def dense(self, groups: Int8Groups) -> torch.Tensor:
-        return torch.from_numpy(groups.dequantize())
 
     @property
     def nbytes(self) -> int:
@@ -132,17 +123,12 @@ def merge_groups(groups: list[Groups]) -> list[Groups]:
 def pack(groups: list[Groups], dtype: torch.dtype) -> PackedWeight:
     """Packed parts for a linear's row segments (same-kind neighbours merged). ValueError when torch's int4
     packing cannot take a part (it needs output rows in multiples of 16)."""
-    for g in merge_groups(groups):
+    merged = merge_groups(groups)
+    for g in merged:
         if isinstance(g, Int4Groups) and g.q.shape[0] % 16:
             raise ValueError(f"int4 packing needs output rows in multiples of 16, got {g.q.shape[0]}")
     return PackedWeight([Int4Part.from_groups(g, dtype) if isinstance(g, Int4Groups) else Int8Part.from_groups(g, dtype)
-                         for g in merge_groups(groups)])
-
-
-def packed_dense(packed: PackedWeight, groups: list[Groups]) -> torch.Tensor:
-    """The float32 [N, K] weight the packed kernels compute (int4 scales as rounded to the compute dtype)."""
-    dense = [part.dense(g) for part, g in zip(packed.parts, merge_groups(groups))]  # type: ignore[arg-type]
-    return torch.cat(dense) if len(dense) > 1 else dense[0]
+                         for g in merged])
 
 
 def save_parts(packed: PackedWeight, prefix: str, out: dict[str, torch.Tensor]) -> list[str]:
@@ -174,7 +160,7 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tens
     if weight is None:  # packed only (int4 / int8): engine and requests refuse the modes that need a dense copy
         if invariant:
             raise RuntimeError("the batch-invariant path needs dense weights; this linear keeps only packed ones")
-        return packed.mm(x.to(packed.dtype), bias).to(x.dtype)
+        return packed.mm(x, bias)
     if invariant or x.dtype != packed.dtype or x.shape[0] > packed.max_rows:
         return None
     return packed.mm(x, bias)

@@ -34,7 +34,7 @@ from tqdm import tqdm
 from ..config import WEIGHT_FORMATS
 from . import gguf_blocks
 from .crossover import CrossoverCache, cache_path
-from .gguf_loader import hf_name, open_reader, read_metadata
+from .gguf_loader import _unpermute_rope, hf_name, open_reader, read_metadata
 from .llama import CausalLM
 from .packed import PackedWeight, load_parts, pack, save_parts
 
@@ -62,7 +62,7 @@ class WeightReport:
 
     def line(self) -> str:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.part_kinds.items())) or "none"
-        rows = sorted(set(self.crossover.values()))
+        rows = sorted(set(self.crossover.values()) - {0})  # 0: left dense, counted as such
         return (f"weight format {self.format}: {self.packed_linears} linears packed ({kinds} parts, "
                 f"{self.packed_bytes / 2**20:.0f} MiB), {self.dense_only_linears} dense only; dense weights kept "
                 f"{self.dense_bytes / 2**20:.0f} MiB; packed for calls of up to {rows} rows")
@@ -70,12 +70,6 @@ class WeightReport:
 
 def _allowed(fmt: str) -> tuple[str, ...]:
     return gguf_blocks.INT8_TYPES if fmt == "int8" else gguf_blocks.INT4_TYPES + gguf_blocks.INT8_TYPES
-
-
-def _unpermute_rows(rows: int, n_head: int) -> np.ndarray:
-    """The row order that undoes llama.cpp's Q/K permutation (gguf_loader._unpermute_rope on row indices)."""
-    idx = np.arange(rows)
-    return idx.reshape(n_head, rows // n_head // 2, 2).swapaxes(1, 2).reshape(rows)
 
 
 def _linear_targets(net: CausalLM, reader) -> dict[str, list]:
@@ -102,7 +96,7 @@ def _groups(t, net: CausalLM, raw_arch: str) -> gguf_blocks.Groups | None:
     groups = gguf_blocks.decode(t.data, t.tensor_type.name, rows, cols)
     if groups is not None and raw_arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
         heads = net.cfg.num_heads if "attn_q" in t.name else net.cfg.num_kv_heads
-        groups = groups.take_rows(_unpermute_rows(rows, heads))
+        groups = groups.take_rows(_unpermute_rope(np.arange(rows), heads))  # the loader's permutation, on row indices
     return groups
 
 
@@ -113,13 +107,13 @@ def apply_weight_format(net: CausalLM, gguf: Path | None, fmt: str, dtype: torch
     if fmt not in WEIGHT_FORMATS:
         raise WeightFormatError(f"unknown weight format {fmt!r}: expected one of {', '.join(WEIGHT_FORMATS)}")
     report = WeightReport(fmt)
-    packs = fmt != "bf16" and gguf is not None and dtype in (torch.bfloat16, torch.float32)
-    if fmt in ("int4", "int8") and not packs:
+    packing = fmt != "bf16" and gguf is not None and dtype in (torch.bfloat16, torch.float32)
+    if fmt in ("int4", "int8") and not packing:
         why = (f"{source} is not a GGUF file" if gguf is None else
                f"packed kernels compute in bfloat16 or float32, not {str(dtype).removeprefix('torch.')}")
         raise WeightFormatError(f"weight format {fmt} needs a GGUF model with quantised tensors: {why}; "
                                 "use --weight-format bf16 or auto")
-    if packs:
+    if packing:
         assert gguf is not None
         _pack_from_gguf(net, gguf, fmt, dtype, report, progress, cache_dir)
     report.dense_bytes = sum(p.nbytes for p in net.parameters() if p is not None)
@@ -135,10 +129,10 @@ def _decode_all(net: CausalLM, reader, targets: dict[str, list], dtype: torch.dt
     for name, ts in tqdm(packable.items(), desc="pack weights", unit="linear", disable=not progress, leave=False):
         groups = [_groups(t, net, raw_arch) for t in ts]
         try:
-            if any(g is None for g in groups):  # e.g. a row length that is not a whole number of blocks
-                raise ValueError("no whole blocks")
+            if any(g is None for g in groups):
+                raise ValueError("a row is not a whole number of blocks")
             packs[name] = pack(groups, dtype)
-        except ValueError as exc:  # stays dense (auto); int4 / int8 refuse it below
+        except ValueError as exc:  # stays dense (auto); int4 / int8 refuse it
             log.info("%s keeps no packed form: %s", name, exc)
     return packs
 
@@ -174,10 +168,8 @@ def _pack_from_gguf(net: CausalLM, gguf: Path, fmt: str, dtype: torch.dtype, rep
                     progress: bool, cache_dir: Path | None) -> None:
     types, packs = _load_packs(net, gguf, dtype, progress, cache_dir)
     allowed = _allowed(fmt)
-    refused = {name: tys for name, tys in types.items() if any(ty not in allowed for ty in tys)}
-    if fmt in ("int4", "int8"):  # linears the packed kernels cannot take at all (not only by block type)
-        refused.update({name: tys for name, tys in types.items() if name not in packs and name not in refused})
-    strict = {name: tys for name, tys in refused.items() if name != "lm_head.weight"}  # the head stays dense anyway
+    dense_only = {name: tys for name, tys in types.items() if name not in packs or any(t not in allowed for t in tys)}
+    strict = {name: tys for name, tys in dense_only.items() if name != "lm_head.weight"}  # the head keeps dense anyway
     if strict and fmt in ("int4", "int8"):
         counts = Counter(ty for tys in strict.values() for ty in tys)
         listing = ", ".join(f"{ty} ({n} tensors)" for ty, n in counts.most_common())
@@ -186,7 +178,7 @@ def _pack_from_gguf(net: CausalLM, gguf: Path, fmt: str, dtype: torch.dtype, rep
                                 "it can exactly) or bf16")
     crossover = CrossoverCache(cache_path(dtype))
     for name in types:
-        if name in refused or name not in packs:
+        if name in dense_only:
             report.kept_dense[name] = "block types " + "/".join(types[name]) + " have no exact packed form"
             report.dense_only_linears += 1
             continue
