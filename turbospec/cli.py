@@ -78,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     prof.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
     _weight_format_flag(prof)
     prof.add_argument("--num-threads", type=int, default=None)
+    prof.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="profile the engine split over this many ranks")
     prof.add_argument("--max-num-seqs", type=int, default=32)
 
     cal = sub.add_parser("calibrate-margin", help="measure how far the fast path moves token scores and cache the "
@@ -123,7 +124,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
     _weight_format_flag(p)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--num-threads", type=int, default=None, help="CPU threads per process (per rank with -tp)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model's layers over this many processes by KV-head group (gloo on CPU, NCCL on "
+                        "CUDA); at most the model's KV head count")
     p.add_argument("--deterministic", default=None, choices=list(DETERMINISTIC_MODES),
                    help="batch-invariant: each request's tokens and log-probs are bitwise independent of the batch "
                         "(invariant kernels every step); llm42: the same output, decoding fast and replaying windows "
@@ -187,7 +191,7 @@ def _profile(args: argparse.Namespace) -> int:
             spec.num_speculative_tokens = spec.k_limit  # a fixed k while profiling: no controller (nor a profile)
         engine = LLMEngine(EngineConfig(args.model, dtype=args.dtype, weight_format=args.weight_format,
                                         num_threads=args.num_threads, max_num_seqs=args.max_num_seqs,
-                                        speculative_config=spec))
+                                        tensor_parallel_size=args.tensor_parallel_size, speculative_config=spec))
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     model = build_model(engine, grid)
@@ -294,7 +298,7 @@ def _generate(args: argparse.Namespace) -> int:
         if not args.prompt:
             raise ValueError("--prompt is empty: give at least one character")
         llm = LLM(args.model, dtype=args.dtype, weight_format=args.weight_format, max_model_len=args.max_model_len,
-                  num_threads=args.num_threads,
+                  num_threads=args.num_threads, tensor_parallel_size=args.tensor_parallel_size,
                   speculative_config=args.speculative_config, deterministic=args.deterministic,
                   verify_window=args.verify_window, margin_threshold=args.margin_threshold, progress=not args.json)
         if args.chat:
@@ -339,6 +343,7 @@ def _serve(args: argparse.Namespace) -> int:
         config = EngineConfig(args.model, dtype=args.dtype, weight_format=args.weight_format,
                               max_model_len=args.max_model_len,
                               num_threads=args.num_threads, max_num_seqs=args.max_num_seqs,
+                              tensor_parallel_size=args.tensor_parallel_size,
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               speculative_config=args.speculative_config, deterministic=args.deterministic,
                               verify_window=args.verify_window, margin_threshold=args.margin_threshold)

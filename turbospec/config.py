@@ -31,8 +31,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # KV cache size in GiB; None sizes it to hold max_num_seqs full-length sequences, capped at 4 GiB.
     kv_cache_memory_gib: float | None = None
-    num_threads: int | None = None
+    num_threads: int | None = None  # per process: with tensor parallelism, each rank uses this many threads
     device: str = "cpu"
+    # ranks the decoder layers are split over (parallel/): processes on this machine, gloo on CPU, NCCL on CUDA
+    tensor_parallel_size: int = 1
     seed: int = 0
     # None, a SpeculativeConfig, a dict, or its JSON text (see SpeculativeConfig)
     speculative_config: SpeculativeConfig | dict | str | None = None
@@ -70,6 +72,10 @@ class EngineConfig:
             _positive("num_threads", self.num_threads)
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"unknown device {self.device!r}: expected 'cpu' or 'cuda[:N]'")
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1 and self.weight_format in ("int4", "int8"):
+            raise ValueError(f"tensor parallelism splits dense weights; weight_format {self.weight_format!r} keeps "
+                             "packed ones only: use auto (dense under tensor parallelism) or bf16")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.deterministic not in (None, *DETERMINISTIC_MODES):
             raise ValueError(f"unknown deterministic mode {self.deterministic!r}: expected one of "

@@ -21,6 +21,10 @@ from .kv.block_manager import BlockManager
 from .kv.kv_cache import KVCache
 from .models.loader import LoadedModel, load_model, parse_dtype
 from .models.tokenizer import IncrementalDetokenizer
+from .parallel.comm import backend_for
+from .parallel.group import TensorParallelGroup
+from .parallel.plan import ShardPlan
+from .parallel.worker import WorkerSpec
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .request import Request
 from .runner import ModelOutput, ModelRunner
@@ -56,21 +60,28 @@ class LLMEngine:
         self.dtype = parse_dtype(config.dtype)
         # LayerCast keeps the weights in bf16 but computes, and keeps the KV cache, in float32
         self.compute_dtype = torch.float32 if config.deterministic == "layercast" else self.dtype
+        tp = config.tensor_parallel_size
+        # tensor parallelism shards dense weights: "auto" means dense there (packed formats are refused)
+        weight_format = "bf16" if tp > 1 and config.weight_format == "auto" else config.weight_format
         self.loaded = loaded or load_model(config.model, self.dtype, config.device, progress=progress,
-                                          weight_format=config.weight_format)
+                                          weight_format=weight_format)
         self.model_config = self.loaded.config
+        # the KV heads this process holds: all of them, or rank 0's share under tensor parallelism
+        self.kv_config = ShardPlan(0, tp, self.model_config).local_config() if tp > 1 else self.model_config
         self.tokenizer = self.loaded.tokenizer
         limit = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length {limit}")
         self.max_model_len = config.max_model_len or min(limit, CPU_MAX_MODEL_LEN)
-        self.kv = KVCache.allocate(self.model_config, self._num_blocks(), config.block_size, self.compute_dtype,
+        self.kv = KVCache.allocate(self.kv_config, self._num_blocks(), config.block_size, self.compute_dtype,
                                    config.device)
         self.blocks = BlockManager(self.kv.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(self.loaded.model, self.kv, self.blocks, config.device,
                                   batch_invariant=config.deterministic == "batch-invariant",
                                   compute_dtype=self.compute_dtype if self.compute_dtype != self.dtype else None)
+        if tp > 1:
+            self.runner.parallel = self._start_tensor_parallel()
         if config.deterministic in REQUEST_DETERMINISTIC_MODES:  # they run the invariant path: probe it now
             from .determinism.batch_invariant import probe_model
 
@@ -107,9 +118,25 @@ class LLMEngine:
         if config.deterministic == "margin-gate":
             _ = self.exact.threshold  # calibrate now (and cache it) rather than in the middle of a step
 
+    def _start_tensor_parallel(self) -> TensorParallelGroup:
+        c = self.config
+        spec = WorkerSpec(model=c.model, dtype=str(self.dtype).removeprefix("torch."),
+                          compute_dtype=str(self.compute_dtype).removeprefix("torch."), device=c.device,
+                          threads=c.threads, world=c.tensor_parallel_size, num_blocks=self.kv.num_blocks,
+                          block_size=c.block_size, store_host="127.0.0.1", store_port=0, backend=backend_for(c.device))
+        group = TensorParallelGroup(spec, self.loaded.model)
+        group.kv_layers = self.kv.layers
+        return group
+
+    def shutdown(self) -> None:
+        """Release what outlives a step: the other tensor-parallel ranks (also stopped when the engine is
+        garbage-collected or the process exits)."""
+        if self.runner.parallel is not None:
+            self.runner.parallel.close()
+
     def _num_blocks(self) -> int:
         c = self.config
-        per_block = KVCache.bytes_per_block(self.model_config, c.block_size, self.compute_dtype)
+        per_block = KVCache.bytes_per_block(self.kv_config, c.block_size, self.compute_dtype)
         per_seq = math.ceil(self.max_model_len / c.block_size)
         if c.kv_cache_memory_gib is not None:
             blocks = int(c.kv_cache_memory_gib * 2**30 // per_block)

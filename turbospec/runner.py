@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .attention import build_metadata
 from .kv.block_manager import BlockManager
-from .kv.kv_cache import KVCache
+from .kv.kv_cache import KVCache, copy_slots
 from .models.llama import CausalLM
 from .scheduler import SchedulerOutput
 from .spec.tree import TokenTree
+
+if TYPE_CHECKING:
+    from .parallel.group import TensorParallelGroup
 
 
 @dataclass
@@ -39,6 +43,8 @@ class ModelRunner:
         self.blocks = blocks
         self.device = torch.device(device)
         self._offsets = torch.arange(kv_cache.block_size)
+        # rank 0's handle on the other tensor-parallel ranks (parallel/group.py), None without tensor parallelism
+        self.parallel: TensorParallelGroup | None = None
 
     def move_kv(self, request_id: str, src: list[int], dst: list[int]) -> None:
         """Copy the K/V at positions `src` of a sequence to positions `dst` in every layer (a token tree's
@@ -46,10 +52,9 @@ class ModelRunner:
         if not src:
             return
         table = self.slot_table(request_id, max(max(src), max(dst)) + 1)
-        s, d = table[src].to(self.device), table[dst].to(self.device)
-        for k_cache, v_cache in self.kv.layers:
-            k_cache[d] = k_cache[s]
-            v_cache[d] = v_cache[s]
+        if self.parallel is not None:  # the other ranks hold the other KV heads of these slots
+            self.parallel.copy_slots(table[src], table[dst])
+        copy_slots(self.kv.layers, table[src].to(self.device), table[dst].to(self.device))
 
     def slot_table(self, request_id: str, length: int) -> torch.Tensor:
         table = torch.tensor(self.blocks.block_table(request_id), dtype=torch.long)

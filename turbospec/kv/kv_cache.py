@@ -27,3 +27,10 @@ class KVCache:
         layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                   for _ in range(cfg.num_layers)]
         return cls(layers, num_blocks, block_size)
+
+
+def copy_slots(layers: list[tuple[torch.Tensor, torch.Tensor]], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy the K/V held in slots `src` to slots `dst` in every layer."""
+    for k_cache, v_cache in layers:
+        k_cache[dst] = k_cache[src]
+        v_cache[dst] = v_cache[src]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -25,13 +26,37 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 class RowLinear(nn.Linear):
     """nn.Linear computed by row_linear, or by its packed low-bit form when one is attached (weight_format.py)
-    and the call has few enough rows (packed.py)."""
+    and the call has few enough rows (packed.py).
+
+    group_width marks a linear that tensor parallelism splits along its input (attention's output and the MLP's
+    down projection, one slice per KV-head group): on the batch-invariant path it is computed as one partial
+    product per slice, added in float32 in a fixed order, the order a sharded model uses too, so invariant
+    outputs are the same bits for every tensor-parallel size (parallel/shard.py)."""
 
     packed: PackedWeight | None = None
+    group_width: int = 0  # input columns per KV-head group when tensor parallelism may split this linear's input
 
     def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        if invariant and self.group_width:
+            return sum_in_order(self.partials(x), self.bias).to(x.dtype)
         y = packed_linear(x, self.weight, self.bias, self.packed, invariant)
         return row_linear(x, self.weight, self.bias, invariant) if y is None else y
+
+    def partials(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Invariant partial products of x @ weight.T, one per group slice of the input columns this linear
+        holds (views: a slice's row stride does not change the bits, tests/test_tensor_parallel.py)."""
+        w = self.group_width
+        return [row_linear(x[:, lo:lo + w], self.weight[:, lo:lo + w], invariant=True)
+                for lo in range(0, self.in_features, w)]
+
+
+def sum_in_order(partials: Iterable[torch.Tensor], bias: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 sum of the partials, added one after another (a fixed order: the same bits wherever it runs)."""
+    total: torch.Tensor | None = None
+    for p in partials:
+        total = p.float() if total is None else total + p.float()
+    assert total is not None, "nothing to add"
+    return total if bias is None else total + bias.float()
 
 
 class RMSNorm(nn.Module):

@@ -86,6 +86,7 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.make_layers(cfg))
+        self._mark_reduction_groups(cfg)
         self.norm = self.make_norm(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # the LM head's packed form (weight_format.py); its dense copy is always kept: heads read its rows
@@ -94,6 +95,16 @@ class CausalLM(nn.Module):
         # layers whose outputs a forward keeps in `captured` ([T, len * H], in this order): EAGLE's features
         self.capture_layers: tuple[int, ...] = ()
         self.captured: torch.Tensor | None = None
+
+    def _mark_reduction_groups(self, cfg: ModelConfig) -> None:
+        """Attention's output and the MLP's down projection reduce over one slice per KV head group, the unit
+        tensor parallelism shards by: their invariant path adds the slices in a fixed order (layers.RowLinear)."""
+        groups = cfg.num_kv_heads
+        if groups < 2 or cfg.intermediate_size % groups:
+            return
+        for layer in self.layers:
+            layer.attn.o.group_width = cfg.q_size // groups
+            layer.mlp.down.group_width = cfg.intermediate_size // groups
 
     def make_layers(self, cfg: ModelConfig) -> list[nn.Module]:
         rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
