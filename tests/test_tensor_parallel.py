@@ -6,8 +6,6 @@ otherwise, speculation and the goodput controller on top, and a clean error when
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 import time
 
 import pytest
@@ -15,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from turbospec import LLM, SamplingParams
+from turbospec.cli import main
 from turbospec.config import EngineConfig
-from turbospec.control.profiler import profile_key
+from turbospec.control.profiler import GRIDS, ProfileGrid, profile_key, profile_path
 from turbospec.determinism.batch_invariant import invariant_linear
 from turbospec.models.layers import RowLinear
 from turbospec.models.model_config import ModelConfig
@@ -129,18 +128,21 @@ def test_a_token_tree_under_two_ranks_keeps_the_plain_output(invariant_reference
 
 
 @pytest.mark.slow
-def test_default_mode_matches_within_rounding_and_the_controller_runs_on_top(tmp_path, monkeypatch) -> None:
+def test_default_mode_matches_within_rounding_and_the_controller_runs_on_top(monkeypatch) -> None:
     """float32 so that the all-reduce's rounding stays far below any near-tie; the controller profiles the
-    two-rank engine under its own key (cached apart from the one-rank profile)."""
-    monkeypatch.setenv("TURBOSPEC_HOME", str(tmp_path))
+    two-rank engine under its own key (cached apart from the one-rank profile; removed afterwards, as it is
+    a deliberately short one)."""
+    monkeypatch.setitem(GRIDS, "brief", ProfileGrid((1, 4), (64,), (0, 2, 4), 1))
     one = _run(_engine(dtype="float32"))
     llm = _engine(dtype="float32", tensor_parallel_size=2, speculative_config={"method": "ngram"})
+    key = profile_key(llm.engine)
     try:
-        assert profile_key(llm.engine)["tensor_parallel"] == "2"
-        assert llm.engine.controller is not None
+        assert key["tensor_parallel"] == "2"
+        assert llm.engine.controller is not None and llm.engine.controller.model.key == key
         two = _run(llm)
     finally:
         llm.engine.shutdown()
+        profile_path(key).unlink(missing_ok=True)
     for (tokens_1, logprobs_1), (tokens_2, logprobs_2) in zip(one, two, strict=True):
         assert tokens_1 == tokens_2
         assert max(abs(a - b) for a, b in zip(logprobs_1, logprobs_2, strict=True)) < 1e-3
@@ -160,8 +162,6 @@ def test_a_dead_rank_fails_the_next_step_instead_of_hanging() -> None:
 
 
 @pytest.mark.slow
-def test_cli_refuses_more_ranks_than_kv_heads() -> None:
-    run = subprocess.run([sys.executable, "-m", "turbospec.cli", "generate", "--model", MODEL, "--prompt", "hi",
-                          "--tensor-parallel-size", "4"], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 2
-    assert "tensor_parallel_size 4 exceeds the model's 3 KV heads" in run.stderr
+def test_cli_refuses_more_ranks_than_kv_heads(capsys) -> None:
+    assert main(["generate", "--model", MODEL, "--prompt", "hi", "--tensor-parallel-size", "4"]) == 2
+    assert "tensor_parallel_size 4 exceeds the model's 3 KV heads" in capsys.readouterr().err
