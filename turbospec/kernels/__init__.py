@@ -14,7 +14,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -22,7 +22,7 @@ log = logging.getLogger("turbospec.kernels")
 
 SOURCE = Path(__file__).with_name("grouped_int8.cpp")
 GROUP = 16
-_module: ModuleType | None = None
+_module: Any = None
 _failure: str | None = None
 
 
@@ -45,8 +45,9 @@ def _flags() -> list[str]:
     return flags
 
 
-def load(verbose: bool = False) -> ModuleType | None:
-    """The compiled module, building it if needed; None (with the reason in `failure()`) when unavailable."""
+def load(verbose: bool = False) -> Any:
+    """The compiled operators (`torch.ops.turbospec`), building them if needed; None (with the reason in
+    `failure()`) when unavailable."""
     global _module, _failure
     if _module is not None or _failure is not None:
         return _module
@@ -61,8 +62,10 @@ def load(verbose: bool = False) -> ModuleType | None:
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
         directory = _build_dir()
         directory.mkdir(parents=True, exist_ok=True)
-        _module = build("turbospec_grouped_int8", [str(SOURCE)], extra_cflags=_flags(), extra_ldflags=["-fopenmp"],
-                        build_directory=str(directory), verbose=verbose)
+        # a library of torch operators (turbospec::grouped_int8_mm), loaded into torch.ops
+        build("turbospec_grouped_int8", [str(SOURCE)], extra_cflags=_flags(), extra_ldflags=["-fopenmp"],
+              build_directory=str(directory), verbose=verbose, is_python_module=False)
+        _module = torch.ops.turbospec
     except Exception as exc:  # any build problem means: use the fallback
         _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         log.warning("compiled int8 kernel unavailable (%s); using the pure-torch fallback", _failure)
