@@ -178,7 +178,8 @@ class _FakeHandle:
     def options(self, **_: Any) -> _FakeHandle:
         return self
 
-    def remote(self, *_: Any, **__: Any) -> _FakeStream:
+    def remote(self, *args: Any, **kwargs: Any) -> _FakeStream:
+        self.sent = (args, kwargs)
         return self.streams.pop(0)
 
 
@@ -213,6 +214,24 @@ def test_ingress_moves_a_request_whose_replica_died_and_answers_503_when_none_is
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
     error = json.loads(response.body)["error"]
     assert error["code"] == "replica_unavailable" and "retry" in error["message"]
+
+
+def test_ingress_forwards_the_app_path_under_a_route_prefix() -> None:
+    from starlette.requests import Request
+
+    handle = _FakeHandle(_FakeStream([("start", 200, JSON), ("body", b"{}")]))
+    body = b'{"prompt": "hi", "max_tokens": 3}'
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/p/v1/completions", "root_path": "/p", "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), (b"authorization", b"Bearer x")]}
+    response = asyncio.run(_ingress(handle).__call__(Request(scope, receive)))
+    assert response.status_code == 200
+    (req,), kwargs = handle.sent
+    assert (req.path, req.body, req.headers) == ("/v1/completions", body, [("content-type", "application/json")])
+    assert kwargs["hint"].cost == 3 and kwargs["hint"].prefix == prefix_digest("hi")
 
 
 def test_ingress_ends_a_stream_cut_by_a_dead_replica_with_an_error_event() -> None:
@@ -324,6 +343,21 @@ def test_concurrent_requests_spread_over_both_replicas_and_metrics_show_both(cli
     text = httpx.get(endpoint + "/metrics", timeout=30).text
     assert text.count("# TYPE turbospec:request_success_total counter") == 1
     assert "turbospec:ray_replicas 2" in text
+
+
+@pytest.mark.slow
+def test_a_client_that_leaves_a_stream_frees_its_request_on_the_replica(endpoint: str) -> None:
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", endpoint + "/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert sum(replica_counts(endpoint, "turbospec:num_requests_running").values()) == 1
+    deadline = time.monotonic() + 20  # closed after one chunk: the replica aborts it long before 400 tokens
+    while sum(replica_counts(endpoint, "turbospec:num_requests_running").values()) > 0:
+        assert time.monotonic() < deadline, "the abandoned stream still runs"
+        time.sleep(0.2)
+    aborted = httpx.get(endpoint + "/metrics", timeout=30).text
+    assert 'finished_reason="abort"' in aborted
 
 
 @pytest.mark.slow

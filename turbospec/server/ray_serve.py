@@ -180,9 +180,12 @@ class OpenAIIngress:
         self.unavailable = 0  # requests that ended in a retryable error: a 503, or a stream cut by a dead replica
 
     async def __call__(self, request: Request) -> Response:
-        if request.method == "GET" and request.url.path == "/metrics":
+        path, root = request.scope["path"], request.scope.get("root_path", "")
+        if root and path.startswith(root):  # under a route_prefix other than "/": the app's own paths
+            path = path[len(root):] or "/"
+        if request.method == "GET" and path == "/metrics":
             return await self.metrics()
-        req = Forwarded(request.method, request.url.path, request.url.query,
+        req = Forwarded(request.method, path, request.url.query,
                         [(k, v) for k, v in request.headers.items() if k in FORWARDED_HEADERS], await request.body())
         return await self.forward(req, route_hint(req))
 
