@@ -58,6 +58,17 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--graceful-timeout", type=float, default=10.0,
                        help="seconds SIGTERM waits for in-flight requests before aborting them")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    ray = serve.add_argument_group("Ray Serve (--ray): replicas behind one endpoint")
+    ray.add_argument("--ray", action="store_true", help="serve replicas as Ray Serve deployments (pip install "
+                                                        "'turbospec[ray]')")
+    ray.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
+    ray.add_argument("--num-replicas", type=int, default=1, help="replicas, each with its own engine")
+    ray.add_argument("--min-replicas", type=int, default=None, help="autoscale between --min-replicas and "
+                                                                    "--max-replicas instead")
+    ray.add_argument("--max-replicas", type=int, default=None)
+    ray.add_argument("--routing", default="fewest-tokens", choices=["fewest-tokens", "prefix", "pow2"],
+                     help="fewest-tokens: the replica with the fewest outstanding prompt + max_tokens; prefix: "
+                          "same prompt prefix, same replica (the least loaded when imbalanced); pow2: Ray's default")
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -78,7 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     prof.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
     _weight_format_flag(prof)
     prof.add_argument("--num-threads", type=int, default=None)
-    prof.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="profile the engine split over this many ranks")
+    prof.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                      help="profile the engine split over this many ranks")
     prof.add_argument("--max-num-seqs", type=int, default=32)
 
     cal = sub.add_parser("calibrate-margin", help="measure how far the fast path moves token scores and cache the "
@@ -340,13 +352,15 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
         if args.graceful_timeout < 0:
             raise ValueError(f"--graceful-timeout must be >= 0, got {args.graceful_timeout}")
-        config = EngineConfig(args.model, dtype=args.dtype, weight_format=args.weight_format,
-                              max_model_len=args.max_model_len,
-                              num_threads=args.num_threads, max_num_seqs=args.max_num_seqs,
-                              tensor_parallel_size=args.tensor_parallel_size,
-                              max_num_batched_tokens=args.max_num_batched_tokens,
-                              speculative_config=args.speculative_config, deterministic=args.deterministic,
-                              verify_window=args.verify_window, margin_threshold=args.margin_threshold)
+        options = dict(dtype=args.dtype, weight_format=args.weight_format, max_model_len=args.max_model_len,
+                       num_threads=args.num_threads, max_num_seqs=args.max_num_seqs,
+                       tensor_parallel_size=args.tensor_parallel_size,
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       speculative_config=args.speculative_config, deterministic=args.deterministic,
+                       verify_window=args.verify_window, margin_threshold=args.margin_threshold)
+        if args.ray:
+            return _serve_ray(args, options)
+        config = EngineConfig(args.model, **options)
         engine = LLMEngine(config)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
@@ -359,6 +373,23 @@ def _serve(args: argparse.Namespace) -> int:
           f"    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n"
           f"  or any OpenAI client with base_url={url}/v1; metrics at {url}/metrics", flush=True)
     run_server(app, args.host, args.port, args.log_level, args.graceful_timeout)
+    return 0
+
+
+def _serve_ray(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
+    try:
+        from .server import ray_serve
+    except ImportError as exc:
+        raise UsageError(f"--ray needs Ray Serve: pip install 'turbospec[ray]' ({exc})") from exc
+    opts = ray_serve.RayServeOptions(args.model, args.served_model_name, args.num_replicas, args.min_replicas,
+                                     args.max_replicas, routing=args.routing,
+                                     max_pending_requests=args.max_pending_requests, engine=engine_options)
+    url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+    replicas = (f"{opts.min_replicas}..{opts.max_replicas} (autoscaled)" if opts.min_replicas is not None
+                else str(opts.num_replicas))
+    print(f"turbospec: serving {opts.name!r} on Ray Serve, {replicas} replicas, routing {opts.routing}, at {url}\n"
+          f"  any OpenAI client with base_url={url}/v1; every replica's metrics at {url}/metrics", flush=True)
+    ray_serve.run(opts, args.host, args.port, args.ray_address)
     return 0
 
 

@@ -77,6 +77,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # what killed the engine thread, if anything did
+        # prompt + max_tokens of every request held now: the load a replica reports to a token-aware router
+        self.outstanding_tokens = 0
 
     # --- lifecycle -----------------------------------------------------------------------------------------
 
@@ -123,6 +125,8 @@ class AsyncEngine:
         self.check_capacity(1)
         stream = _Stream()
         self._streams[request_id] = stream
+        cost = len(prompt_token_ids) + params.max_tokens
+        self.outstanding_tokens += cost
         self._send(_Add(request_id, prompt_token_ids, params, speculate, arrival_time or time.monotonic(),
                         deterministic, acceptance))
         try:
@@ -137,6 +141,7 @@ class AsyncEngine:
                 if item.finished:
                     return
         finally:
+            self.outstanding_tokens -= cost
             self._streams.pop(request_id, None)
             if not stream.finished:
                 self._send(_Abort(request_id))
