@@ -162,3 +162,16 @@ def test_sliding_window_is_measured_from_the_nodes_depth():
         # keys within the window (the root included) and the node's ancestors, which are all within it
         want = [k for k in range(ctx) if k > pos - window] + ancestors
         assert visible == want, (row, visible, want)
+
+
+def test_spec_stats_count_trees_by_depth_and_chains_by_position():
+    from turbospec.spec.stats import SpecDecodingStats
+
+    stats = SpecDecodingStats()
+    stats.observe(3, 2)  # a chain of 3, 2 accepted
+    stats.observe(7, 1, depth=2)  # a 7-node tree 2 deep, a path of 1 accepted
+    stats.observe(5, 3, depth=3)
+    assert stats.num_draft_tokens == 15 and stats.num_accepted_tokens == 6
+    assert stats.num_draft_tokens_per_pos == [3, 3, 2]
+    assert stats.num_accepted_tokens_per_pos == [3, 2, 1]
+    assert stats.mean_accepted_length == 1 + 6 / 3

@@ -77,6 +77,10 @@ def test_tree_verification_with_compaction_equals_plain_decoding(mode):
         assert [g[0] for g in got] == [w[0] for w in want]
         assert oracle.trees > 20 and stats["mean_accepted_length"] > 2.0, stats
         assert sum(1 for m in moves if m) > 5  # accepted paths off the first branch were moved down
+        # acceptance by depth, not by node: the oracle's trees are at most 4 deep with up to 8 nodes
+        assert len(stats["num_draft_tokens_per_pos"]) <= 4
+        assert sum(stats["num_accepted_tokens_per_pos"]) == stats["num_accepted_tokens"]
+        assert stats["num_draft_tokens"] > sum(stats["num_draft_tokens_per_pos"])  # nodes beyond one per depth
     else:  # batch-invariant: requests get chains (accepts_trees), and tokens and log-probs are bitwise plain's
         assert got == want
         assert oracle.trees == 0 and stats["num_accepted_tokens"] > 20, stats

@@ -506,7 +506,8 @@ class LLMEngine:
             if decoding:
                 self.spec_stats.observe_choice(num_drafts)
             if self.proposer and num_drafts:
-                self.spec_stats.observe(num_drafts, accepted)
+                tree = req.spec_tree
+                self.spec_stats.observe(num_drafts, accepted, None if tree is None else max(tree.depth))
                 if self.verify_trace is not None:
                     self.verify_trace.append((req.request_id, num_drafts, accepted))
                 if not req.is_finished:

@@ -11,6 +11,7 @@ class SpecDecodingStats:
     num_drafts: int = 0  # request-steps that verified at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # per draft position (per depth for token trees): verifications that offered / accepted a token there
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     num_draft_tokens_per_pos: list[int] = field(default_factory=list)
     # how often each draft length was verified, over every decoding request-step (k = 0 included)
@@ -28,18 +29,23 @@ class SpecDecodingStats:
         n = sum(self.k_histogram)
         return sum(k * c for k, c in enumerate(self.k_histogram)) / n if n else 0.0
 
-    def observe(self, num_draft: int, num_accepted: int) -> None:
-        """One request's verification: num_draft proposed tokens, the first num_accepted of them accepted."""
+    def observe(self, num_draft: int, num_accepted: int, depth: int | None = None) -> None:
+        """One request's verification: num_draft proposed tokens, the first num_accepted of them accepted. For a
+        token tree, num_draft is its node count (what verification paid for), num_accepted the accepted path's
+        length and `depth` the tree's depth: the per-position counts are then per depth (position d offered when
+        the tree reached depth d + 1, accepted when the path did), so acceptance_by_position reads the same for
+        chains and trees."""
         if num_draft == 0:
             return
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
-        grow = num_draft - len(self.num_draft_tokens_per_pos)
+        positions = num_draft if depth is None else depth
+        grow = positions - len(self.num_draft_tokens_per_pos)
         if grow > 0:
             self.num_draft_tokens_per_pos += [0] * grow
             self.num_accepted_tokens_per_pos += [0] * grow
-        for pos in range(num_draft):
+        for pos in range(positions):
             self.num_draft_tokens_per_pos[pos] += 1
             self.num_accepted_tokens_per_pos[pos] += pos < num_accepted
 
