@@ -95,7 +95,8 @@ class EngineConfig:
 
     @property
     def threads(self) -> int:
-        return self.num_threads or os.cpu_count() or 1
+        """Threads per process: num_threads, or this machine's cores shared by the tensor-parallel ranks."""
+        return self.num_threads or max(1, (os.cpu_count() or 1) // self.tensor_parallel_size)
 
 
 def _positive(name: str, value: object, alternative: str = "") -> None:

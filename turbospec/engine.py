@@ -21,11 +21,11 @@ from .kv.block_manager import BlockManager
 from .kv.kv_cache import KVCache
 from .models.loader import LoadedModel, load_model, parse_dtype
 from .models.tokenizer import IncrementalDetokenizer
+from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .parallel.comm import backend_for
 from .parallel.group import TensorParallelGroup
 from .parallel.plan import ShardPlan
 from .parallel.worker import WorkerSpec
-from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .request import Request
 from .runner import ModelOutput, ModelRunner
 from .sampler import SamplingBatch, compute_logprobs, fold_seed, make_generator, processed_probs, sample
@@ -80,12 +80,6 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded.model, self.kv, self.blocks, config.device,
                                   batch_invariant=config.deterministic == "batch-invariant",
                                   compute_dtype=self.compute_dtype if self.compute_dtype != self.dtype else None)
-        if tp > 1:
-            self.runner.parallel = self._start_tensor_parallel()
-        if config.deterministic in REQUEST_DETERMINISTIC_MODES:  # they run the invariant path: probe it now
-            from .determinism.batch_invariant import probe_model
-
-            log.info("batch-invariant linears pad rows to these multiples: %s", probe_model(self.loaded.model))
         self.requests: dict[str, Request] = {}
         self.last_step: StepStats | None = None
         self.spec = config.speculative_config
@@ -113,10 +107,18 @@ class LLMEngine:
         self._tree_paths: dict[str, list[int]] = {}  # this step's accepted tree paths (node indices)
         self._emit_rows: dict[str, list[int]] = {}  # ... and the row offsets that chose each emitted token
         self.logit_trace: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] | None = None  # calibration only
-        if self.spec_mode == "auto":
-            self._ensure_controller(progress)
         if config.deterministic == "margin-gate":
             _ = self.exact.threshold  # calibrate now (and cache it) rather than in the middle of a step
+        # Shard last: a layer-skip search and a margin calibration above run private one-process engines over
+        # the whole model (their results do not depend on the split); the profile below measures the split one.
+        if tp > 1:
+            self.runner.parallel = self._start_tensor_parallel()
+        if config.deterministic in REQUEST_DETERMINISTIC_MODES:  # they run the invariant path: probe it now
+            from .determinism.batch_invariant import probe_model
+
+            log.info("batch-invariant linears pad rows to these multiples: %s", probe_model(self.loaded.model))
+        if self.spec_mode == "auto":
+            self._ensure_controller(progress)
 
     def _start_tensor_parallel(self) -> TensorParallelGroup:
         c = self.config
@@ -124,9 +126,7 @@ class LLMEngine:
                           compute_dtype=str(self.compute_dtype).removeprefix("torch."), device=c.device,
                           threads=c.threads, world=c.tensor_parallel_size, num_blocks=self.kv.num_blocks,
                           block_size=c.block_size, store_host="127.0.0.1", store_port=0, backend=backend_for(c.device))
-        group = TensorParallelGroup(spec, self.loaded.model)
-        group.kv_layers = self.kv.layers
-        return group
+        return TensorParallelGroup(spec, self.loaded.model, self.kv.layers)
 
     def shutdown(self) -> None:
         """Release what outlives a step: the other tensor-parallel ranks (also stopped when the engine is
@@ -231,6 +231,10 @@ class LLMEngine:
             raise ValueError("batch-invariant changes the kernels of every request in a step, so it is engine-wide: "
                              "start the engine with deterministic='batch-invariant', or ask for llm42 or margin-gate")
         if value == "margin-gate":
+            if self.runner.parallel is not None and not self.exact.has_threshold():
+                raise ValueError("margin-gate needs a calibrated threshold, and a tensor-parallel engine cannot "
+                                 "calibrate one while serving: run `turbospec calibrate-margin --model ...` first (one "
+                                 "process; the threshold is shared by every split) or start with --margin-threshold")
             if calibrate:
                 _ = self.exact.threshold  # calibrated on first use
             elif not self.exact.has_threshold():

@@ -23,7 +23,7 @@ class LLM:
     Engine options are EngineConfig's fields (``dtype``, ``max_model_len``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``block_size``, ``enable_prefix_caching``, ``kv_cache_memory_gib``,
     ``num_threads``, ``device``, ``seed``, ``speculative_config``, ``deterministic``, ``verify_window``,
-    ``margin_threshold``).
+    ``margin_threshold``, ``tensor_parallel_size``).
     """
 
     def __init__(self, model: str, progress: bool = True, **kwargs: Any) -> None:
@@ -34,6 +34,16 @@ class LLM:
         self.config = EngineConfig(model=model, **kwargs)
         self.engine = LLMEngine(self.config, progress=progress)
         self._counter = 0
+
+    def shutdown(self) -> None:
+        """Stop what outlives a call (the other tensor-parallel ranks); also done when the LLM is collected."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

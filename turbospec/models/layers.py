@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -42,12 +42,12 @@ class RowLinear(nn.Linear):
         y = packed_linear(x, self.weight, self.bias, self.packed, invariant)
         return row_linear(x, self.weight, self.bias, invariant) if y is None else y
 
-    def partials(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def partials(self, x: torch.Tensor) -> Iterator[torch.Tensor]:
         """Invariant partial products of x @ weight.T, one per group slice of the input columns this linear
         holds (views: a slice's row stride does not change the bits, tests/test_tensor_parallel.py)."""
         w = self.group_width
-        return [row_linear(x[:, lo:lo + w], self.weight[:, lo:lo + w], invariant=True)
-                for lo in range(0, self.in_features, w)]
+        for lo in range(0, self.in_features, w):
+            yield row_linear(x[:, lo:lo + w], self.weight[:, lo:lo + w], invariant=True)
 
 
 def sum_in_order(partials: Iterable[torch.Tensor], bias: torch.Tensor | None = None) -> torch.Tensor:

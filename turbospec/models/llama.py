@@ -97,10 +97,11 @@ class CausalLM(nn.Module):
         self.captured: torch.Tensor | None = None
 
     def _mark_reduction_groups(self, cfg: ModelConfig) -> None:
-        """Attention's output and the MLP's down projection reduce over one slice per KV head group, the unit
-        tensor parallelism shards by: their invariant path adds the slices in a fixed order (layers.RowLinear)."""
-        groups = cfg.num_kv_heads
-        if groups < 2 or cfg.intermediate_size % groups:
+        """Attention's output and the MLP's down projection reduce over slices of whole KV-head groups, the
+        unit tensor parallelism shards by: their invariant path adds the slices in a fixed order
+        (layers.RowLinear, ModelConfig.reduction_groups)."""
+        groups = cfg.reduction_groups
+        if groups < 2:
             return
         for layer in self.layers:
             layer.attn.o.group_width = cfg.q_size // groups

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+MAX_REDUCTION_GROUPS = 8
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -42,6 +44,15 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def reduction_groups(self) -> int:
+        """Slices of attention-out's and MLP-down's input that the batch-invariant path adds in a fixed order
+        (so that its bits do not depend on the tensor-parallel split): one per KV head, merged into at most
+        MAX_REDUCTION_GROUPS equal runs (each slice is one more matmul), 1 when that cannot be even."""
+        g = self.num_kv_heads
+        r = max(d for d in range(1, min(g, MAX_REDUCTION_GROUPS) + 1) if g % d == 0)
+        return r if self.intermediate_size % r == 0 else 1
 
     def is_sliding_layer(self, layer: int) -> bool:
         """Gemma3 interleaves 5 sliding-window layers with 1 global layer."""

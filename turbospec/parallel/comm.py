@@ -20,6 +20,11 @@ def backend_for(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
+class TensorParallelError(RuntimeError):
+    """The ranks can no longer run forwards together (a rank died, a collective failed, or a forward was cut
+    short on rank 0 and left the others waiting): the engine has to be restarted."""
+
+
 class Communicator:
     def __init__(self, store: dist.Store, rank: int, world: int, backend: str) -> None:
         self.rank, self.world = rank, world
@@ -30,11 +35,18 @@ class Communicator:
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (gloo's order is its own: only the non-invariant path uses this)."""
-        self.group.allreduce([tensor]).wait()
+        self._wait(self.group.allreduce([tensor]))
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's tensor (same shape on all), in rank order."""
         out = [torch.empty_like(tensor) for _ in range(self.world)]
-        self.group.allgather([out], [tensor]).wait()
+        self._wait(self.group.allgather([out], [tensor]))
         return out
+
+    @staticmethod
+    def _wait(work: dist.Work) -> None:
+        try:
+            work.wait()
+        except RuntimeError as exc:  # a peer died or timed out: no later collective can pair up reliably
+            raise TensorParallelError(f"a tensor-parallel collective failed: {exc}") from exc

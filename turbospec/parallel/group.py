@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import pickle
 import socket
 import subprocess
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.llama import CausalLM
-from .comm import Communicator
+from .comm import Communicator, TensorParallelError
 from .plan import ShardPlan
 from .shard import shard_model
 from .worker import STORE_TIMEOUT, WorkerSpec
@@ -33,24 +34,32 @@ log = logging.getLogger("turbospec.parallel")
 
 START_TIMEOUT_S = 600.0  # a rank loading a large model on a busy CPU
 
+KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
+
 
 class TensorParallelGroup:
-    def __init__(self, spec: WorkerSpec, model: CausalLM) -> None:
-        """Start ranks 1..world-1 (each loads the model itself), then shard `model` as rank 0. Blocks until every
-        rank is ready; raises RuntimeError with a rank's traceback if one fails to start."""
+    def __init__(self, spec: WorkerSpec, model: CausalLM, kv_layers: KVLayers) -> None:
+        """Start ranks 1..world-1 (each loads the model itself), then shard `model` as rank 0, whose KV cache is
+        `kv_layers`. Blocks until every rank is ready; raises RuntimeError with a rank's traceback if one fails."""
         self.world = spec.world
+        self.kv_layers = kv_layers
+        self.broken: str | None = None  # why the ranks can no longer run together
+        self._in_forward = False
         store = dist.TCPStore(spec.store_host, 0, spec.world, is_master=True, wait_for_workers=False,
                               timeout=STORE_TIMEOUT)
         spec = dataclasses.replace(spec, store_port=store.port)
         # Each rank is a fresh interpreter (`python -m turbospec.parallel.worker`) joined by a socket pair, not a
         # multiprocessing child: spawn would re-run the user's script (scripts without a __main__ guard would
-        # start engines recursively) and fork would inherit torch's thread pools in an unknown state.
+        # start engines recursively) and fork would inherit torch's thread pools in an unknown state. Its own
+        # session keeps a terminal's Ctrl-C away from it (rank 0 decides when it stops), and it imports
+        # turbospec from wherever this process does.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self._procs: list[subprocess.Popen[bytes]] = []
         self._conns: list[Connection] = []
         for rank in range(1, spec.world):
             ours, theirs = socket.socketpair()
             proc = subprocess.Popen([sys.executable, "-m", "turbospec.parallel.worker", str(theirs.fileno())],
-                                    pass_fds=(theirs.fileno(),))
+                                    pass_fds=(theirs.fileno(),), env=env, start_new_session=True)
             theirs.close()
             conn = Connection(ours.detach())
             conn.send((spec, rank))
@@ -67,50 +76,76 @@ class TensorParallelGroup:
             self.close()
             raise
         self._store = store  # the other ranks' rendezvous: kept alive with the group
-        self.kv_layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        model.register_forward_hook(self._after_forward)
         log.info("tensor parallelism: %d ranks (%s), KV-head groups per rank %s", spec.world, spec.backend,
                  [len(r) for r in self.plan.all_groups])
 
     def _await(self, state: str) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         for rank, (proc, conn) in enumerate(zip(self._procs, self._conns), start=1):
-            while not conn.poll(0.2):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"tensor-parallel rank {rank} exited (code {proc.returncode}) before it was "
-                                       f"{state}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"tensor-parallel rank {rank} was not {state} after {START_TIMEOUT_S:.0f} s")
-            got, detail = conn.recv()
+            try:
+                while not conn.poll(0.2):
+                    if proc.poll() is not None:
+                        raise EOFError
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"tensor-parallel rank {rank} was not {state} after "
+                                           f"{START_TIMEOUT_S:.0f} s")
+                got, detail = conn.recv()
+            except (EOFError, OSError):
+                raise RuntimeError(f"tensor-parallel rank {rank} exited (code {proc.wait(timeout=10)}) before it "
+                                   f"was {state}; its error is in this process's stderr") from None
             if got == "error":
                 raise RuntimeError(f"tensor-parallel rank {rank} failed to start:\n{detail}")
             assert got == state, (got, state)
 
     def _before_forward(self, _model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        ids, positions, meta, kv_caches = args[:4]
-        if kv_caches is not self.kv_layers:
+        if self._in_forward:  # the last forward stopped on this rank after the others had started it: they
+            # wait in one of its collectives, and pairing them with this forward's would mix two steps
+            self._fail("a forward was interrupted on rank 0 while the other ranks ran it")
+        if self.broken is not None:
+            raise TensorParallelError(f"{self.broken}: restart the engine")
+        names = ("input_ids", "positions", "meta", "kv_caches", "layer_ids")
+        call = {**dict(zip(names, args)), **kwargs}
+        if call["kv_caches"] is not self.kv_layers:
             raise RuntimeError("a tensor-parallel model runs over its engine's own KV cache only")
-        layer_ids = args[4] if len(args) > 4 else kwargs.get("layer_ids")
-        self._send(("forward", ids.cpu(), positions.cpu(), meta, None if layer_ids is None else list(layer_ids)))
+        layer_ids, meta = call.get("layer_ids"), call["meta"]
+        if meta.slot_mapping.device.type != "cpu":  # each rank moves it to its own device
+            meta = meta.to(torch.device("cpu"))
+        self._send(("forward", call["input_ids"].cpu(), call["positions"].cpu(), meta,
+                    None if layer_ids is None else list(layer_ids)))
+        self._in_forward = True
+
+    def _after_forward(self, *_: Any) -> None:
+        self._in_forward = False
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self._send(("copy_slots", src, dst))
 
     def _send(self, message: tuple[Any, ...]) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns), start=1):
-            # a dead rank would leave this one waiting in the first collective: fail the step now instead
+        # every rank alive first: a dead one would leave the others waiting in the first collective
+        for rank, proc in enumerate(self._procs, start=1):
             code = proc.poll()
             if code is not None:
-                raise RuntimeError(f"tensor-parallel rank {rank} exited (code {code}): this engine cannot run "
-                                   "forwards any more; restart it")
+                self._fail(f"tensor-parallel rank {rank} exited (code {code})")
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self._conns, start=1):
             try:
                 conn.send_bytes(data)
             except OSError as exc:
-                raise RuntimeError(f"tensor-parallel rank {rank} is gone ({exc}): restart the engine") from exc
+                self._fail(f"tensor-parallel rank {rank} is gone ({exc})")
+
+    def _fail(self, reason: str) -> None:
+        self.broken = self.broken or reason
+        for proc in self._procs:  # they may wait in a collective that will never complete: no graceful stop
+            proc.kill()
+        self.close()
+        raise TensorParallelError(f"{self.broken}: this engine cannot run forwards any more; restart it")
 
     def close(self) -> None:
-        """Stop the other ranks (also done when the group is garbage-collected or the process exits)."""
+        """Stop the other ranks (also done when the group is garbage-collected or the process exits); the
+        model's later forwards then fail with TensorParallelError."""
+        self.broken = self.broken or "the tensor-parallel ranks were stopped"
         self._stop()
 
 
@@ -125,6 +160,6 @@ def _stop_workers(procs: list[subprocess.Popen[bytes]], conns: list[Connection])
     for proc in procs:
         try:
             proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired:  # e.g. waiting in a collective rank 0 will never join
             proc.kill()
             proc.wait(timeout=5)

@@ -26,6 +26,11 @@ def check_tensor_parallel(cfg: ModelConfig, world: int) -> None:
     if cfg.intermediate_size % groups:
         raise ValueError(f"the MLP's {cfg.intermediate_size} intermediate features do not split into {groups} KV-head "
                          "groups: this model runs with tensor_parallel_size 1 only")
+    per_slice = groups // cfg.reduction_groups  # KV heads per invariant reduction slice: a rank holds whole ones
+    if any(r.start % per_slice for r in group_ranges(groups, world)):
+        fits = [n for n in range(1, groups + 1) if not any(r.start % per_slice for r in group_ranges(groups, n))]
+        raise ValueError(f"tensor_parallel_size {world} would cut the model's reduction slices of {per_slice} KV "
+                         f"heads: use one of {fits}")
 
 
 def group_ranges(num_groups: int, world: int) -> list[range]:
@@ -60,9 +65,10 @@ class ShardPlan:
         return self.all_groups[self.rank]
 
     @property
-    def max_groups(self) -> int:
-        """The most groups any rank holds (collectives exchange that many partials per rank, padded)."""
-        return len(self.all_groups[0])
+    def slices_per_rank(self) -> list[int]:
+        """Invariant reduction slices each rank holds (ModelConfig.reduction_groups), in rank order."""
+        per_slice = self.cfg.num_kv_heads // self.cfg.reduction_groups
+        return [len(r) // per_slice for r in self.all_groups]
 
     @property
     def heads_per_group(self) -> int:

@@ -31,12 +31,12 @@ class RowParallelLinear(RowLinear):
     def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         if invariant:
             mine = torch.stack([p.float() for p in self.partials(x)])
-            pad = self.plan.max_groups - mine.shape[0]
+            counts = self.plan.slices_per_rank
+            pad = max(counts) - mine.shape[0]
             if pad:  # collectives need one shape on every rank
                 mine = torch.cat([mine, mine.new_zeros(pad, *mine.shape[1:])])
             gathered = self.comm.all_gather(mine)
-            real = [len(r) for r in self.plan.all_groups]
-            return sum_in_order(p for g, n in zip(gathered, real) for p in g[:n]).to(x.dtype)
+            return sum_in_order(p for g, n in zip(gathered, counts) for p in g[:n]).to(x.dtype)
         partial = row_linear(x, self.weight).float()
         return self.comm.all_reduce_sum(partial).to(x.dtype)
 
@@ -57,10 +57,14 @@ def shard_model(model: CausalLM, plan: ShardPlan, comm: Communicator) -> None:
         for lin in (attn.qkv, attn.o, mlp.gate_up, mlp.down):
             if lin.packed is not None:
                 raise ValueError("tensor parallelism shards dense weights: load the model with weight_format bf16")
+        if attn.o.bias is not None or mlp.down.bias is not None:  # a row-parallel bias would be added per rank
+            raise ValueError("tensor parallelism does not support a bias on attention-out or MLP-down")
         _keep_rows(attn.qkv, qkv_rows)
         _keep_rows(mlp.gate_up, gate_up_rows)
-        attn.o = RowParallelLinear(attn.o.weight[:, q_rows].contiguous(), cfg.q_size // cfg.num_kv_heads, plan, comm)
-        mlp.down = RowParallelLinear(mlp.down.weight[:, inter].contiguous(), f, plan, comm)
+        slices = cfg.reduction_groups
+        attn.o = RowParallelLinear(attn.o.weight[:, q_rows].contiguous(), cfg.q_size // slices, plan, comm)
+        mlp.down = RowParallelLinear(mlp.down.weight[:, inter].contiguous(), cfg.intermediate_size // slices, plan,
+                                     comm)
         attn.cfg = local
 
 

@@ -43,7 +43,11 @@ class WorkerSpec:
     backend: str
 
     def rank_device(self, rank: int) -> str:
-        return f"cuda:{rank}" if self.device.startswith("cuda") else self.device
+        """Rank r's device: the r-th GPU after rank 0's (cuda:1 for rank 0 on cuda:0), or the CPU."""
+        if not self.device.startswith("cuda"):
+            return self.device
+        first = int(self.device.partition(":")[2] or 0)
+        return f"cuda:{first + rank}"
 
 
 def worker_main(conn: Connection) -> None:
@@ -52,6 +56,8 @@ def worker_main(conn: Connection) -> None:
     torch.set_num_threads(spec.threads)
     device = spec.rank_device(rank)
     try:
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)  # NCCL binds each rank's communicator to the current device
         loaded = load_model(spec.model, parse_dtype(spec.dtype), device, progress=False, weight_format="bf16")
         plan = ShardPlan(rank, spec.world, loaded.config)
         conn.send(("loaded", None))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from ..engine import LLMEngine
 from ..outputs import RequestOutput
+from ..parallel.comm import TensorParallelError
 from ..sampling_params import SamplingParams
 
 log = logging.getLogger("turbospec.server")
@@ -177,6 +178,12 @@ class AsyncEngine:
             log.exception("the engine thread died")
             self.error = exc
             self._stop.set()
+            if self._loop is not None and not self._loop.is_closed():  # nobody will answer the open streams
+                self._loop.call_soon_threadsafe(self._fail_streams, f"the engine stopped: {exc}")
+
+    def _fail_streams(self, message: str) -> None:
+        for stream in self._streams.values():
+            stream.queue.put_nowait(EngineDead(message))
 
     def _observe(self, items: list[RequestOutput | tuple[str, Exception]]) -> None:
         if self.on_step is None:
@@ -217,6 +224,12 @@ class AsyncEngine:
         except Exception as exc:  # one bad step fails its requests, not the server
             log.exception("engine step failed; failing the running requests")
             message = f"internal error in the engine step: {type(exc).__name__}: {exc}"
-            failed = [engine.fail_request(r.request_id, message) for r in list(engine.scheduler.running)]
-            return [out for out in failed if out is not None]  # finish_reason "error", with the message
+            fatal = isinstance(exc, TensorParallelError)  # no later step can run: fail everything and stop,
+            # so /health turns unhealthy and a supervisor (Ray Serve, Kubernetes) replaces this server
+            doomed = list(engine.requests) if fatal else [r.request_id for r in engine.scheduler.running]
+            failed = [out for out in (engine.fail_request(rid, message) for rid in doomed) if out is not None]
+            if fatal:
+                self._post(failed)
+                raise
+            return failed  # finish_reason "error", with the message
         return list(outputs)

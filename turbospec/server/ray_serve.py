@@ -83,8 +83,9 @@ class RayServeOptions:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.retries < 0:
             raise ValueError(f"retries must be >= 0, got {self.retries}")
-        if self.engine.get("num_threads") is None:  # every replica must fit: share this machine's cores
-            self.engine["num_threads"] = max(1, (os.cpu_count() or 1) // (self.max_replicas or self.num_replicas))
+        if self.engine.get("num_threads") is None:  # every replica (each rank of it) must fit: share the cores
+            processes = (self.max_replicas or self.num_replicas) * self.engine.get("tensor_parallel_size", 1)
+            self.engine["num_threads"] = max(1, (os.cpu_count() or 1) // processes)
         self.engine_config()  # refuse bad engine options here, not in every replica
 
     @classmethod
@@ -278,8 +279,9 @@ async def _await(response: Any) -> Any:
 
 def application(opts: RayServeOptions) -> serve.Application:
     """The ingress bound to the replica deployment, configured by `opts`."""
-    threads = opts.engine_config().threads
-    seqs = opts.engine_config().max_num_seqs
+    engine = opts.engine_config()
+    threads = engine.threads * engine.tensor_parallel_size  # the CPUs a replica's processes use
+    seqs = engine.max_num_seqs
     if opts.min_replicas is not None:
         scaling: dict[str, Any] = {"autoscaling_config": {
             "min_replicas": opts.min_replicas, "max_replicas": opts.max_replicas,

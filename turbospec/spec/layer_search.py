@@ -75,6 +75,7 @@ def plan_key(engine: LLMEngine) -> dict[str, str]:
     key.pop("speculation", None)
     key.pop("threads", None)  # the search reads acceptance, not time
     key.pop("weights", None)  # packed or dense, the same model up to rounding: the same plan
+    key.pop("tensor_parallel", None)  # searched on one process; the split model computes the same one
     key["search"] = "layer-skip-v1"
     return key
 
