@@ -178,6 +178,7 @@ def test_fewest_tokens_routes_around_a_long_request():
     res = simulate(requests, constant(0.01), None, Deployment(replicas=2, router="fewest-tokens"))
     where = {t.request_id: t.replica for t in res.times}
     assert all(where[f"s{i}"] != where["long"] for i in range(9))
+    assert [r.outstanding_tokens for r in res.replicas] == [0, 0]  # the running count ends where it started
 
 
 # --- rooflines -----------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ appear at its end), because requests that arrive in between only join the next s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import islice
 
 import numpy as np
 
@@ -73,18 +74,20 @@ class Replica:
         self.busy_s = 0.0
         self._batch: list[tuple[Scheduled, int]] = []  # the step in flight: (entry, drafts verified)
         self._outcomes: dict[str, Outcome] = {}  # drawn, not yet used (a request the budget left out keeps its own)
+        self._outstanding = 0  # tokens left to compute over all its requests, kept up to date (routers read it)
 
     # --- requests ------------------------------------------------------------------------------------------
 
     def add(self, req: SimRequest) -> LiveRequest:
         live = LiveRequest(req)
         self.scheduler.waiting.append(live)
+        self._outstanding += live.outstanding_tokens
         return live
 
     @property
     def outstanding_tokens(self) -> int:
-        s = self.scheduler
-        return sum(r.outstanding_tokens for r in s.running) + sum(r.outstanding_tokens for r in s.waiting)
+        """Prompt tokens left to prefill plus output tokens left to generate, over its requests."""
+        return self._outstanding
 
     @property
     def num_requests(self) -> int:
@@ -128,21 +131,13 @@ class Replica:
         for s, k in self._batch:
             live = s.live
             live.steps += 1
-            if not s.samples:
-                live.computed = s.start + s.num_new
-                continue
-            rid = live.req.request_id
-            outcome = self._outcomes.pop(rid, None)
-            accepted = outcome.accepted(k) if outcome is not None else 0
-            live.computed = s.start + s.num_new + accepted
-            live.output += min(1 + accepted, live.remaining_output)
-            if live.first_token_s is None:
-                live.first_token_s = now
-            if self.controller is not None and outcome is not None:
-                self._observe(rid, k, accepted, outcome)
+            before = live.outstanding_tokens
+            self._apply(s, k, now)
+            self._outstanding += live.outstanding_tokens - before
             if live.remaining_output <= 0:
                 live.finish_s = now
                 self.scheduler.finish(live)
+                rid = live.req.request_id
                 if self.acceptance is not None:
                     self.acceptance.free(rid)
                 if self.controller is not None:
@@ -151,6 +146,22 @@ class Replica:
         self._batch = []
         self.busy_until = None
         return finished
+
+    def _apply(self, s: Scheduled, k: int, now: float) -> None:
+        """One request's part of the step: its KV grows; if it sampled, it emits 1 + accepted tokens."""
+        live = s.live
+        if not s.samples:
+            live.computed = s.start + s.num_new
+            return
+        rid = live.req.request_id
+        outcome = self._outcomes.pop(rid, None)
+        accepted = outcome.accepted(k) if outcome is not None else 0
+        live.computed = s.start + s.num_new + accepted
+        live.output += min(1 + accepted, live.remaining_output)
+        if live.first_token_s is None:
+            live.first_token_s = now
+        if self.controller is not None and outcome is not None:
+            self._observe(rid, k, accepted, outcome)
 
     # --- speculation -------------------------------------------------------------------------------------
 
@@ -178,7 +189,7 @@ class Replica:
         s = self.scheduler
         seats = s.max_num_seqs - len(s.running)
         pending = [(r.computed, r.num_tokens) for r in s.running if r.is_prefilling]
-        pending += [(r.computed, r.num_tokens) for r in list(s.waiting)[: max(seats, 0)]]
+        pending += [(r.computed, r.num_tokens) for r in islice(s.waiting, max(seats, 0))]
         return base_step([r.num_tokens for r in decoding], pending, s.max_num_batched_tokens)
 
     def _observe(self, rid: str, k: int, accepted: int, outcome: Outcome) -> None:
