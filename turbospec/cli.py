@@ -1,5 +1,5 @@
 """Command line: ``turbospec pull | models | generate | serve | profile | calibrate-margin | search-layers |
-bench serve``.
+bench serve | simulate``.
 Bad input exits with code 2 and a one-line reason."""
 
 from __future__ import annotations
@@ -76,6 +76,12 @@ def _parser() -> argparse.ArgumentParser:
 
     serve_bench.add_arguments(bench_sub.add_parser(
         "serve", help="load-test any OpenAI-compatible server (turbospec, vLLM, SGLang, llama.cpp)"))
+
+    from .sim import command as sim_command
+
+    sim_command.add_arguments(sub.add_parser(
+        "simulate", help="project a deployment's latency and throughput with a discrete-event simulator "
+                         "(profiled step times, recorded acceptance; no model runs)"))
 
     prof = sub.add_parser("profile", help="measure the engine's step time over a grid and cache the fitted model "
                                           "that the goodput controller uses")
@@ -417,6 +423,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _train_head(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "simulate":
+            from .sim import command as sim_command
+
+            return sim_command.run(args)
         if args.command == "bench":
             from .bench import serve_bench
 

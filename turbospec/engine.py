@@ -14,7 +14,7 @@ import torch
 
 from .config import REQUEST_DETERMINISTIC_MODES, EngineConfig
 from .control.acceptance import make_estimator
-from .control.controller import Candidate, GoodputController
+from .control.controller import Candidate, GoodputController, base_step
 from .control.step_time import StepFeatures, StepSample
 from .determinism.exact import COMPETITORS, ExactDecoding, PickedRows
 from .kv.block_manager import BlockManager
@@ -363,18 +363,9 @@ class LLMEngine:
 
     @staticmethod
     def _features(sched: SchedulerOutput, draft_tokens: int) -> StepFeatures:
-        f = StepFeatures(batch=len(sched.scheduled), draft_tokens=draft_tokens)
+        f = StepFeatures(draft_tokens=draft_tokens)
         for s in sched.scheduled:
-            k = len(s.request.spec_token_ids[: s.num_spec_tokens]) if s.samples else 0
-            q = s.num_new_tokens + k
-            ctx = s.start + q
-            f.tokens += q
-            f.kv += ctx
-            f.attn += q * ctx
-            if k:
-                f.spec_tokens += k
-                f.draft_steps = max(f.draft_steps, k)
-                f.draft_kv += k * ctx
+            f.add(s.start, s.num_new_tokens, len(s.request.spec_token_ids[: s.num_spec_tokens]) if s.samples else 0)
         return f
 
     def _learn_step_time(self, sample: StepSample) -> None:
@@ -415,22 +406,11 @@ class LLMEngine:
 
     def _base_features(self, decoding: list[Request]) -> tuple[StepFeatures, int]:
         """This step as the scheduler will build it without drafts (decodes plus the prefill it can fit), and
-        the token budget left over. Drafts only use leftover budget: they never delay a waiting prompt."""
-        f = StepFeatures()
-        budget = self.config.max_num_batched_tokens
-        for r in decoding:
-            f.batch, f.tokens, f.kv, f.attn = f.batch + 1, f.tokens + 1, f.kv + r.num_tokens, f.attn + r.num_tokens
-        budget -= len(decoding)
+        the token budget left over (control/controller.py, base_step)."""
         seats = self.config.max_num_seqs - len(self.scheduler.running)
         pending = [(r.num_computed_tokens, r.num_tokens) for r in self.scheduler.running if r.is_prefilling]
         pending += [(0, r.num_tokens) for r in list(self.scheduler.waiting)[: max(seats, 0)]]
-        for done, total in pending:
-            if budget <= 0:
-                break
-            q = min(total - done, budget)
-            f.batch, f.tokens, f.kv, f.attn = f.batch + 1, f.tokens + q, f.kv + done + q, f.attn + q * (done + q)
-            budget -= q
-        return f, max(budget, 0)
+        return base_step([r.num_tokens for r in decoding], pending, self.config.max_num_batched_tokens)
 
     def _guard_kv(self, decoding: list[Request], caps: list[int]) -> list[int]:
         """Keep a block of headroom per running request: when drafts would eat into it, a request may only

@@ -53,6 +53,25 @@ class ControllerStats:
         }
 
 
+def base_step(decode_contexts: list[int], pending: list[tuple[int, int]], budget: int) -> tuple[StepFeatures, int]:
+    """The step as the scheduler will build it without drafts, and the token budget left for drafts.
+
+    decode_contexts: each decoding request's tokens (one decode each); pending: (tokens computed, tokens known)
+    of the prompts that may be prefilled, in the order the scheduler takes them. Drafts only use leftover
+    budget: they never delay a waiting prompt."""
+    f = StepFeatures()
+    for ctx in decode_contexts:
+        f.add(ctx - 1, 1)
+    budget -= len(decode_contexts)
+    for done, total in pending:
+        if budget <= 0:
+            break
+        q = min(total - done, budget)
+        f.add(done, q)
+        budget -= q
+    return f, max(budget, 0)
+
+
 class GoodputController:
     def __init__(self, model: StepTimeModel, estimator: AcceptanceEstimator, switch_on_gain: float = SWITCH_ON_GAIN
                  ) -> None:

@@ -42,6 +42,20 @@ class StepFeatures:
     draft_tokens: int = 0  # tokens the draft model processes (catch-up + k_i - 1 per drafting request)
     draft_kv: int = 0  # sum over drafting requests of k_i x context length
 
+    def add(self, start: int, num_new: int, k: int = 0) -> None:
+        """Count one request's share of the step: num_new known tokens from position `start`, then k drafts
+        verified after them (the draft model's tokens, draft_tokens, are the caller's to count)."""
+        q = num_new + k
+        ctx = start + q
+        self.batch += 1
+        self.tokens += q
+        self.kv += ctx
+        self.attn += q * ctx
+        if k:
+            self.spec_tokens += k
+            self.draft_steps = max(self.draft_steps, k)
+            self.draft_kv += k * ctx
+
 
 @dataclass
 class StepSample:

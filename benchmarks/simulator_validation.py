@@ -1,0 +1,430 @@
+"""Does ``turbospec simulate`` predict real serving? Measure, then simulate the very same traffic.
+
+    PYTHONPATH=$PWD python benchmarks/simulator_validation.py            # ~10-15 min on 2 CPU cores
+
+On smollm2-135m (CPU, the engine's default options but one thread, n-gram speculation with k = 4):
+1. the step-time profile the engine would use (its profile key), reused from the cache or measured
+   (`turbospec profile --grid full` equivalent);
+2. a calibration run on its own prompts: a burst that measures the engine's capacity (to place the three
+   rates) and the per-step serving overhead the profile does not see (the serving loop around
+   ``engine.step()``); nothing of the validation runs is used to calibrate;
+3. real serving at three rates (about 30%, 60% and 90% of that capacity), each on its own ShareGPT prompts,
+   through the server's own ``AsyncEngine`` (its engine thread and event loop, as ``turbospec serve`` runs
+   it, without the HTTP layer) with Poisson arrivals from ``bench serve``'s generator; it records every
+   request's arrival, first token and finish, its prompt and output lengths, and the acceptance trace
+   (``engine.verify_trace``, plus a (request, 0, 0) record for each decoding step that verified nothing);
+4. the simulator on the same arrivals, lengths and acceptance trace, with the profile and the calibrated
+   overhead; predicted vs measured mean / p99 of E2EL and TTFT per rate.
+
+Writes benchmarks/results/simulator_validation.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from turbospec.bench.prompts import load_sharegpt
+from turbospec.bench.serve_bench import arrival_offsets
+from turbospec.bench.serve_report import summarize
+from turbospec.config import EngineConfig
+from turbospec.control.profiler import GRIDS, build_model, load_or_profile, profile_key, profile_path
+from turbospec.control.step_time import StepFeatures, StepSample, StepTimeModel
+from turbospec.engine import LLMEngine
+from turbospec.sampling_params import SamplingParams
+from turbospec.server.async_engine import AsyncEngine
+from turbospec.sim.acceptance import TraceRecord, TraceReplay, rates_from_trace
+from turbospec.sim.replica import SpecPolicy
+from turbospec.sim.simulator import Deployment, simulate
+from turbospec.sim.step_cost import StepCost, StepOverhead
+from turbospec.sim.workload import SimRequest
+
+MODEL = "smollm2-135m"
+K = 4
+SPEC = {"method": "ngram", "num_speculative_tokens": K}
+MAX_TOKENS = 128
+RESULTS = Path(__file__).resolve().parent / "results"
+TARGET = 0.15
+
+
+# --- measuring -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepLog:
+    """Per served step: features, time inside engine.step(), and the whole loop iteration (for the overhead)."""
+
+    features: list[dict[str, int]] = field(default_factory=list)
+    parts: list[tuple[float, float, float]] = field(default_factory=list)  # the engine's target / draft / overhead
+    engine_s: list[float] = field(default_factory=list)
+    loop_s: list[float | None] = field(default_factory=list)  # None after an idle wait
+
+
+@dataclass
+class ServedRun:
+    rate: float
+    requests: list[SimRequest]  # measured lengths, scheduled arrivals
+    ttft_s: list[float]
+    e2el_s: list[float]
+    trace: list[TraceRecord]
+    steps: StepLog
+    wall_s: float
+
+
+class Recorder:
+    """The AsyncEngine's step observer (engine thread): step timings and the per-step acceptance records."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.steps = StepLog()
+        self.trace: list[TraceRecord] = []
+        self._seen_trace = 0
+        self._last_step = engine.last_step
+        self._last_t: float | None = None
+        self._started: set[str] = set()
+
+    def __call__(self, engine: LLMEngine, outputs: list[Any]) -> None:
+        now = time.perf_counter()
+        stepped = engine.last_step is not self._last_step
+        if stepped:
+            self._last_step = engine.last_step
+            assert engine.last_step is not None and engine.last_sample is not None
+            sample = engine.last_sample
+            self.steps.features.append(asdict(sample.features))
+            self.steps.parts.append((sample.target_s, sample.draft_s, sample.overhead_s))
+            self.steps.engine_s.append(engine.last_step.seconds)
+            self.steps.loop_s.append(None if self._last_t is None else now - self._last_t)
+            trace = engine.verify_trace or []
+            new = trace[self._seen_trace:]
+            self._seen_trace = len(trace)
+            verified = {rid for rid, _, _ in new}
+            self.trace.extend(new)
+            for out in outputs:  # a decoding step that verified no draft is a (request, 0, 0) record
+                if out.delta_token_ids and out.request_id in self._started and out.request_id not in verified:
+                    self.trace.append((out.request_id, 0, 0))
+                if out.delta_token_ids:
+                    self._started.add(out.request_id)
+        # the next iteration is back to back only if the engine still has work (else it waits for commands)
+        self._last_t = now if engine.has_unfinished_requests() else None
+
+
+async def _serve(engine: LLMEngine, prompts: list[tuple[str, list[int]]], offsets: np.ndarray
+                 ) -> tuple[list[float], list[float], list[int], Recorder, float]:
+    recorder = Recorder(engine)
+    engine.verify_trace = []
+    engine.sample_steps = True  # builds StepFeatures every step (microseconds), for the overhead fit
+    server = AsyncEngine(engine, max_pending=1024, on_step=recorder)
+    server.start()
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    origin = time.perf_counter()
+
+    async def one(rid: str, ids: list[int], offset: float) -> tuple[float, float, int]:
+        await asyncio.sleep(max(0.0, origin + offset - time.perf_counter()))
+        sent = origin + offset
+        first, tokens = None, 0
+        async for out in server.generate(rid, ids, params):
+            if out.delta_token_ids and first is None:
+                first = time.perf_counter() - sent
+            tokens += len(out.delta_token_ids)
+        assert first is not None
+        return first, time.perf_counter() - sent, tokens
+
+    try:
+        results = await asyncio.gather(*(one(rid, ids, o) for (rid, ids), o in zip(prompts, offsets)))
+    finally:
+        await server.stop()
+        engine.verify_trace = None
+        engine.sample_steps = False
+    return ([r[0] for r in results], [r[1] for r in results], [r[2] for r in results], recorder,
+            time.perf_counter() - origin)
+
+
+def serve(engine: LLMEngine, prompts: list[tuple[str, list[int]]], rate: float, seed: int) -> ServedRun:
+    offsets = arrival_offsets(len(prompts), rate, 1.0, np.random.default_rng(seed))
+    ttft, e2el, tokens, rec, wall = asyncio.run(_serve(engine, prompts, offsets))
+    requests = [SimRequest(rid, float(o), len(ids), n) for (rid, ids), o, n in zip(prompts, offsets, tokens)]
+    return ServedRun(rate, requests, ttft, e2el, rec.trace, rec.steps, wall)
+
+
+# --- calibration and simulation --------------------------------------------------------------------------------
+
+
+def refit(steps: dict[str, list], model: StepTimeModel) -> tuple[StepTimeModel, StepOverhead]:
+    """The engine's own online learning (StepTimeModel.observe / refit: profile plus recent steps, the profile's
+    weight falling as steps arrive), fed with a calibration run's steps; plus the serving loop's mean time
+    around engine.step() as a per-step overhead. The profile was measured on a machine shared with others, at
+    other moments: this moves it to how the machine runs now, without seeing the run it predicts."""
+    fitted = StepTimeModel.from_json(model.to_json())
+    for f, (target_s, draft_s, overhead_s) in zip(steps["features"], steps["parts"]):
+        fitted.observe(StepSample(StepFeatures(**f), target_s, draft_s, overhead_s))
+    fitted.refit()
+    loop = [(lp - e) for e, lp in zip(steps["engine_s"], steps["loop_s"]) if lp is not None]
+    return fitted, StepOverhead(per_step_s=float(np.mean(loop)) if loop else 0.0)
+
+
+def oracle(steps: dict[str, list]) -> tuple[StepTimeModel, StepOverhead]:
+    """DIAGNOSTIC, not a prediction: a step-time model fitted (the engine's form selection) on the measured
+    run's own steps. Simulating with it isolates what the simulator gets wrong besides step times (batching,
+    queueing, acceptance) from what the profile gets wrong."""
+    samples = [StepSample(StepFeatures(**f), *p) for f, p in zip(steps["features"], steps["parts"])]
+    loop = [(lp - e) for e, lp in zip(steps["engine_s"], steps["loop_s"]) if lp is not None]
+    return StepTimeModel.fit(samples), StepOverhead(per_step_s=float(np.mean(loop)) if loop else 0.0)
+
+
+def fit_overhead(steps: dict[str, list], model: StepTimeModel) -> tuple[StepOverhead, dict[str, float]]:
+    """How served steps differ from the profile, from a calibration run's back-to-back steps: served loop
+    iteration = scale x predicted + per-step seconds (least squares). The scale absorbs a machine slower than
+    when it was profiled (other tenants); the constant absorbs the serving loop. Also splits the difference
+    into profile error (engine.step() vs prediction) and loop overhead (iteration vs engine.step())."""
+    rows = [(StepFeatures(**f), e, loop) for f, e, loop in zip(steps["features"], steps["engine_s"], steps["loop_s"])
+            if loop is not None]
+    pred = np.array([model.predict(f) for f, _, _ in rows])
+    loop = np.array([r[2] for r in rows])
+    eng = np.array([r[1] for r in rows])
+    (scale, per_step), *_ = np.linalg.lstsq(np.stack([pred, np.ones_like(pred)], 1), loop, rcond=None)
+    detail = {"steps": len(rows), "mean_loop_s": float(loop.mean()), "mean_engine_step_s": float(eng.mean()),
+              "mean_predicted_s": float(pred.mean()), "profile_error_s": float((eng - pred).mean()),
+              "loop_overhead_s": float((loop - eng).mean())}
+    return StepOverhead(per_step_s=float(per_step), scale=float(scale)), detail
+
+
+def predict(run: dict[str, Any], cost: StepCost, replay: bool, seed: int = 0) -> dict[str, Any]:
+    trace = [tuple(r) for r in run["trace"]]
+    fallback = rates_from_trace(trace)
+    acceptance = TraceReplay(trace, fallback) if replay else fallback
+    requests = [SimRequest(**q) for q in run["requests"]]
+    result = simulate(requests, cost, acceptance, Deployment(policy=SpecPolicy("fixed", K), seed=seed))
+    return result.summary
+
+
+def measured_summary(run: dict[str, Any]) -> dict[str, Any]:
+    reqs, ttft, e2el = run["requests"], run["ttft_s"], run["e2el_s"]
+    return {"ttft_ms": summarize([t * 1e3 for t in ttft]), "e2el_ms": summarize([t * 1e3 for t in e2el]),
+            "tpot_ms": summarize([(e - t) * 1e3 / (r["output_tokens"] - 1) for r, t, e in zip(reqs, ttft, e2el)
+                                  if r["output_tokens"] > 1]),
+            "output_throughput": sum(r["output_tokens"] for r in reqs) / run["wall_s"]}
+
+
+def predictions(data: dict[str, Any], model: StepTimeModel) -> list[dict[str, Any]]:
+    """Per rate: the measured summary and the simulator's, each rate's overhead from the calibration run
+    made just before it (its own prompts), never from the run itself."""
+    rows = []
+    for run in data["runs"]:
+        overhead, detail = fit_overhead(run["calibration_steps"], model)
+        refitted, loop_overhead = refit(run["calibration_steps"], model)
+        sims = {"replay, refit": predict(run, StepCost(refitted, loop_overhead), True),
+                "rates, refit": predict(run, StepCost(refitted, loop_overhead), False),
+                "replay, scaled": predict(run, StepCost(model, overhead), True),
+                "replay, profile only": predict(run, StepCost(model), True)}
+        if "diagnostic_steps" in run:
+            sims["replay, oracle step times (diagnostic)"] = predict(run, StepCost(*oracle(run["diagnostic_steps"])),
+                                                                     True)
+        rows.append({"rate": run["rate"], "fraction": run["fraction"], "load": run["load"],
+                     "calibration": {"overhead": asdict(overhead), **detail}, "measured": measured_summary(run),
+                     "predicted": sims, "num_requests": len(run["requests"]), "wall_s": run["wall_s"],
+                     "acceptance": asdict(rates_from_trace([tuple(r) for r in run["trace"]]))})
+    return rows
+
+
+# --- the run ---------------------------------------------------------------------------------------------------
+
+
+def wait_for_quiet(limit_s: float = 600.0) -> list[float]:
+    """Other engineers share the cores: wait (up to limit_s) for the 1-minute load average to drop below 1."""
+    start = time.time()
+    load = list(os.getloadavg())
+    while load[0] > 1.0 and time.time() - start < limit_s:
+        print(f"load average {load[0]:.2f} > 1.0: waiting", flush=True)
+        time.sleep(30)
+        load = list(os.getloadavg())
+    return load
+
+
+def tokenized(engine: LLMEngine, n: int, skip: int, tag: str) -> list[tuple[str, list[int]]]:
+    prompts = load_sharegpt(n, skip=skip)
+    return [(f"{tag}/{p.id}", engine.tokenizer.apply_chat_template([{"role": "user", "content": p.text}]))
+            for p in prompts]
+
+
+def as_json(run: ServedRun) -> dict[str, Any]:
+    return {"rate": run.rate, "requests": [asdict(q) for q in run.requests], "ttft_s": run.ttft_s,
+            "e2el_s": run.e2el_s, "trace": run.trace, "wall_s": run.wall_s}
+
+
+def measure(args: argparse.Namespace) -> tuple[dict[str, Any], StepTimeModel]:
+    load_before = wait_for_quiet(args.max_wait)
+    engine = LLMEngine(EngineConfig(MODEL, speculative_config=SPEC, num_threads=args.num_threads), progress=False)
+    key = profile_key(engine)
+    had_profile = profile_path(key).exists() and not args.reprofile
+    model = build_model(engine, GRIDS["full"], progress=False) if args.reprofile else \
+        load_or_profile(engine, progress=False, grid="full")
+    print(f"profile {profile_path(key)} ({'cached' if had_profile else 'measured now'}, {len(model.samples)} steps)")
+    n, c = args.num_requests, args.calibration_requests
+    serve(engine, tokenized(engine, 4, 0, "warmup"), math.inf, args.seed)  # one-off costs (allocations, caches)
+    runs: list[dict[str, Any]] = []
+    capacity = 0.0
+    for i, fraction in enumerate(float(f) for f in args.fractions.split(",")):
+        # a calibration burst on its own prompts just before each rate, so a drifting background load is tracked
+        calib = serve(engine, tokenized(engine, c, 4 + i * (n + c), f"calibration{i}"), math.inf, args.seed)
+        if i == 0:  # capacity: requests per second finished in the first burst, at full batch
+            capacity = len(calib.requests) / max(calib.e2el_s)
+            print(f"capacity {capacity:.2f} req/s", flush=True)
+        rate = round(fraction * capacity, 3)
+        load = list(os.getloadavg())
+        run = serve(engine, tokenized(engine, n, 4 + i * (n + c) + c, f"rate{i}"), rate, args.seed + 1 + i)
+        runs.append({**as_json(run), "fraction": fraction, "load": [load[0], os.getloadavg()[0]],
+                     "calibration_steps": asdict(calib.steps),
+                     "diagnostic_steps": asdict(run.steps)})  # to explain errors afterwards; never fitted on
+        print(f"rate {rate} done (load {load[0]:.2f} -> {os.getloadavg()[0]:.2f})", flush=True)
+    data = {
+        "command": "PYTHONPATH=$PWD python benchmarks/simulator_validation.py " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "machine": machine(),
+        "load_average_before": load_before, "model": MODEL, "speculative_config": SPEC, "max_tokens": MAX_TOKENS,
+        "engine": {"max_num_seqs": engine.config.max_num_seqs,
+                   "max_num_batched_tokens": engine.config.max_num_batched_tokens, "threads": engine.config.threads},
+        "profile": {"path": str(profile_path(key)), "key": key, "cached": had_profile,
+                    "fits": [r.line() for r in model.reports]},
+        "capacity_req_s": capacity, "target_relative_error": TARGET, "runs": runs,
+    }
+    return data, model
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--num-requests", type=int, default=60, help="requests per validation rate")
+    p.add_argument("--calibration-requests", type=int, default=16, help="requests per calibration burst")
+    p.add_argument("--fractions", default="0.3,0.6,0.9", help="rates as fractions of the measured capacity")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-wait", type=float, default=600.0, help="seconds to wait for a quiet machine first")
+    p.add_argument("--num-threads", type=int, default=1,
+                   help="engine threads (default 1: on a shared 2-core machine, 2 OpenMP threads slow down many "
+                        "times whenever another process takes a core; see docs/ARCHITECTURE.md, Threads)")
+    p.add_argument("--reprofile", action="store_true",
+                   help="measure the profile again (turbospec profile --grid full) even if one is cached")
+    p.add_argument("--resimulate", default=None, metavar="JSON",
+                   help="skip measuring: simulate the runs saved in this results file again (same profile)")
+    p.add_argument("--out", default=str(RESULTS / "simulator_validation"))
+    args = p.parse_args()
+    t0 = time.time()
+    if args.resimulate:
+        data = json.loads(Path(args.resimulate).read_text())
+        model = StepTimeModel.load(Path(data["profile"]["path"]))
+        if model is None:
+            raise SystemExit(f"the profile {data['profile']['path']} is gone: measure again")
+    else:
+        data, model = measure(args)
+        data["measure_seconds"] = time.time() - t0
+    data["rates"] = predictions(data, model)
+    for row in data["rates"]:
+        m, s = row["measured"]["e2el_ms"], row["predicted"]["replay, refit"]["e2el_ms"]
+        print(f"rate {row['rate']}: E2EL mean {m['mean']:.0f} vs {s['mean']:.0f} ms, p99 {m['p99']:.0f} vs "
+              f"{s['p99']:.0f}", flush=True)
+    write(data, Path(args.out))
+    return 0
+
+
+def machine() -> dict[str, Any]:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "commit": commit}
+
+
+def _err(pred: float, meas: float) -> float:
+    return (pred - meas) / meas
+
+
+def _rounded(value: Any) -> Any:
+    """Floats to microseconds (or 6 decimals), so the step logs stay a reasonable file."""
+    if isinstance(value, float):
+        return round(value, 6)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v) for v in value]
+    return value
+
+
+def write(result: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(_rounded(result), separators=(",", ":")))
+    primary = "replay, refit"
+    lines = [f"# Simulator validation: {result['model']}, n-gram k = {K}, CPU", "",
+             f"`{result['command']}` on {result['date']}, {result['machine']['cpu']} ({result['machine']['cores']} "
+             f"cores shared with other users; engine threads {result['engine']['threads']}), load average before "
+             f"{result['load_average_before'][0]:.2f}. Profile: `{Path(result['profile']['path']).name}` "
+             f"({'cached' if result['profile']['cached'] else 'measured in this run'}). Capacity from the first "
+             f"calibration burst: {result['capacity_req_s']:.2f} req/s; rates at "
+             + ", ".join(f"{r['fraction']:.0%}" for r in result["rates"]) + " of it, "
+             f"{result['rates'][0]['num_requests']} ShareGPT requests each (own prompts), max_tokens "
+             f"{result['max_tokens']}, greedy.", "",
+             f"Predicted ({primary}: each request's recorded acceptance; the profile refitted, as the engine refits "
+             "it online, on the steps of a calibration burst run just before the rate on other prompts, plus the "
+             "serving loop's time around engine.step()) vs measured; error = predicted / measured - 1; target "
+             "|error| <= 15%. Other predictions: 'rates' draws acceptance from per-position rates instead of "
+             "replaying; 'scaled' keeps the profile and fits a speed factor and per-step seconds on the "
+             "calibration burst; 'profile only' uses the profile as measured; 'oracle step times' is a DIAGNOSTIC, "
+             "not a prediction: step times fitted on the measured run's own steps, to separate the step-time "
+             "model's error from the rest of the simulator's.", "",
+             "| rate (req/s) | load avg (start -> end) | metric | measured ms | predicted ms | error |",
+             "|---|---|---|---|---|---|"]
+    for row in result["rates"]:
+        m, s = row["measured"], row["predicted"][primary]
+        for metric in ("e2el_ms", "ttft_ms"):
+            for stat in ("mean", "p99"):
+                e = _err(s[metric][stat], m[metric][stat])
+                flag = "" if abs(e) <= TARGET else " **miss**"
+                lines.append(f"| {row['rate']} | {row['load'][0]:.2f} -> {row['load'][1]:.2f} | "
+                             f"{metric[:-3].upper()} {stat} | {m[metric][stat]:.0f} | {s[metric][stat]:.0f} | "
+                             f"{e * 100:+.1f}%{flag} |")
+    lines += ["", "All predictions, E2EL mean / p99 and TTFT mean / p99 error:", ""]
+    for row in result["rates"]:
+        m = row["measured"]
+        parts = [f"{name}: " + " / ".join(f"{_err(s[x][st], m[x][st]) * 100:+.0f}%"
+                                          for x in ("e2el_ms", "ttft_ms") for st in ("mean", "p99"))
+                 for name, s in row["predicted"].items()]
+        lines.append(f"- rate {row['rate']}: " + "; ".join(parts))
+    lines += ["", "Calibration detail per rate (mean served loop / engine.step() / profile prediction, s):", ""]
+    for row in result["rates"]:
+        c = row["calibration"]
+        lines.append(f"- rate {row['rate']}: {c['mean_loop_s']:.3f} / {c['mean_engine_step_s']:.3f} / "
+                     f"{c['mean_predicted_s']:.3f} over {c['steps']} steps; 'scaled' fit: "
+                     f"x{c['overhead']['scale']:.2f} {c['overhead']['per_step_s'] * 1e3:+.1f} ms")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rates = [r["rate"] for r in result["rates"]]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, metric in zip(axes, ("e2el_ms", "ttft_ms")):
+        for stat, style in (("mean", "o"), ("p99", "s")):
+            ax.plot(rates, [r["measured"][metric][stat] for r in result["rates"]], style + "-",
+                    label=f"measured {stat}")
+            ax.plot(rates, [r["predicted"][primary][metric][stat] for r in result["rates"]], style + "--",
+                    label=f"simulated {stat}")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(metric.replace("_ms", " (ms)").upper())
+        ax.legend()
+    fig.suptitle(f"turbospec simulate vs measured serving: {result['model']} (CPU)")
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
