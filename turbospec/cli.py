@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .config import DETERMINISTIC_MODES, WEIGHT_FORMATS
+from .config import DETERMINISTIC_MODES, WEIGHT_FORMATS, int_list
 from .models import registry
 
 
@@ -180,17 +180,6 @@ def _window(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1 or auto, got {text!r}") from None
 
 
-def _int_list(flag: str, text: str) -> tuple[int, ...]:
-    lowest = 0 if flag == "--ks" else 1
-    try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
-    if min(values) < lowest:
-        raise ValueError(f"{flag} must be integers >= {lowest}, got {text!r}")
-    return values
-
-
 def _profile(args: argparse.Namespace) -> int:
     from .config import EngineConfig, SpeculativeConfig
     from .control.profiler import GRIDS, build_model, profile_path
@@ -198,7 +187,8 @@ def _profile(args: argparse.Namespace) -> int:
 
     try:
         grid = GRIDS[args.grid]
-        grid = replace(grid, **{name: _int_list(f"--{name.replace('_', '-')}", getattr(args, name))
+        grid = replace(grid, **{name: int_list(f"--{name.replace('_', '-')}", getattr(args, name),
+                                               lowest=0 if name == "ks" else 1)
                                 for name in ("batch_sizes", "contexts", "ks") if getattr(args, name)})
         if args.repeats is not None:
             if args.repeats < 1:

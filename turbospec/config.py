@@ -61,18 +61,18 @@ class EngineConfig:
         if self.weight_format in ("int4", "int8") and self.deterministic:
             raise ValueError(f"deterministic={self.deterministic!r} runs dense kernels with a fixed reduction order; "
                              f"weight_format {self.weight_format!r} keeps no dense weights: use auto or bf16")
-        _positive("max_num_seqs", self.max_num_seqs)
-        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
-        _positive("block_size", self.block_size)
+        check_positive("max_num_seqs", self.max_num_seqs)
+        check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        check_positive("block_size", self.block_size)
         if self.max_model_len is not None:
-            _positive("max_model_len", self.max_model_len)
+            check_positive("max_model_len", self.max_model_len)
         if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
         if self.num_threads is not None:
-            _positive("num_threads", self.num_threads)
+            check_positive("num_threads", self.num_threads)
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"unknown device {self.device!r}: expected 'cpu' or 'cuda[:N]'")
-        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        check_positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.tensor_parallel_size > 1 and self.weight_format in ("int4", "int8"):
             raise ValueError(f"tensor parallelism splits dense weights; weight_format {self.weight_format!r} keeps "
                              "packed ones only: use auto (dense under tensor parallelism) or bf16")
@@ -81,7 +81,7 @@ class EngineConfig:
             raise ValueError(f"unknown deterministic mode {self.deterministic!r}: expected one of "
                              f"{', '.join(DETERMINISTIC_MODES)} (or leave it unset)")
         if self.verify_window != "auto":
-            _positive("verify_window", self.verify_window, 'or "auto"')
+            check_positive("verify_window", self.verify_window, 'or "auto"')
         m = self.margin_threshold
         if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not m >= 0):
             raise ValueError(f"margin_threshold must be a number >= 0 (nats) or None (calibrated), got {m!r}")
@@ -99,7 +99,18 @@ class EngineConfig:
         return self.num_threads or max(1, (os.cpu_count() or 1) // self.tensor_parallel_size)
 
 
-def _positive(name: str, value: object, alternative: str = "") -> None:
+def int_list(flag: str, text: str, lowest: int = 1) -> tuple[int, ...]:
+    """Comma-separated integers >= lowest from a command-line flag, or ValueError saying what is allowed."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if min(values) < lowest:
+        raise ValueError(f"{flag} must be integers >= {lowest}, got {text!r}")
+    return values
+
+
+def check_positive(name: str, value: object, alternative: str = "") -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1{' ' + alternative if alternative else ''}, got {value!r}")
 
@@ -145,8 +156,8 @@ class SpeculativeConfig:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"unknown speculative method {self.method!r}: expected one of {', '.join(SPEC_METHODS)}")
         if self.num_speculative_tokens != "auto":
-            _positive("num_speculative_tokens", self.num_speculative_tokens, "or \"auto\"")
-        _positive("max_speculative_tokens", self.max_speculative_tokens)
+            check_positive("num_speculative_tokens", self.num_speculative_tokens, "or \"auto\"")
+        check_positive("max_speculative_tokens", self.max_speculative_tokens)
         if self.acceptance_estimator not in ESTIMATORS:
             raise ValueError(f"unknown acceptance_estimator {self.acceptance_estimator!r}: expected one of "
                              f"{', '.join(ESTIMATORS)}")
@@ -167,18 +178,18 @@ class SpeculativeConfig:
             if not isinstance(s, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in s):
                 raise ValueError(f"skip_layers must be a list of layer indices (integers >= 0), got {s!r}")
         if self.method == "lookahead":
-            _positive("lookahead_window", self.lookahead_window)
-            _positive("lookahead_ngram", self.lookahead_ngram)
+            check_positive("lookahead_window", self.lookahead_window)
+            check_positive("lookahead_ngram", self.lookahead_ngram)
             if self.lookahead_ngram < 2:
                 raise ValueError(f"lookahead_ngram must be >= 2 (a key and what follows it), got "
                                  f"{self.lookahead_ngram}")
         if self.method in HEAD_METHODS:
-            _positive("tree_branch", self.tree_branch)
+            check_positive("tree_branch", self.tree_branch)
         elif self.heads is not None:
             raise ValueError(f"heads only applies to methods {', '.join(HEAD_METHODS)}, not {self.method!r}")
         if self.method == "ngram":
-            _positive("prompt_lookup_min", self.prompt_lookup_min)
-            _positive("prompt_lookup_max", self.prompt_lookup_max)
+            check_positive("prompt_lookup_min", self.prompt_lookup_min)
+            check_positive("prompt_lookup_max", self.prompt_lookup_max)
             if self.prompt_lookup_min > self.prompt_lookup_max:
                 raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
                                  f"({self.prompt_lookup_max})")

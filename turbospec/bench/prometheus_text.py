@@ -20,7 +20,8 @@ SPEC_COUNTERS = {
     "accepted_tokens": "spec_decode_num_accepted_tokens_total",
 }
 
-_SAMPLE_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)(?:\s+-?\d+)?\s*$")
+# name{labels} value [timestamp]: also the Ray ingress's merge of replicas' metrics (server/ray_bridge.py)
+SAMPLE_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)(?:\s+-?\d+)?\s*$")
 _LABEL_PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
 _LABEL_ESCAPE = re.compile(r"\\(.)")
 
@@ -38,7 +39,7 @@ def parse_prometheus(text: str) -> list[PromSample]:
     samples = []
     for line in text.splitlines():
         line = line.strip()
-        if not line or line.startswith("#") or not (m := _SAMPLE_LINE.match(line)):
+        if not line or line.startswith("#") or not (m := SAMPLE_LINE.match(line)):
             continue
         try:
             value = float(m.group(3))  # also +Inf, -Inf, NaN

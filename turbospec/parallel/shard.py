@@ -25,13 +25,13 @@ class RowParallelLinear(RowLinear):
         super().__init__(weight.shape[1], weight.shape[0], bias=False, device="meta")
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.group_width = group_width
-        self.plan = plan
+        self.slices_per_rank = plan.slices_per_rank  # fixed by the plan: not recomputed every call
         self.comm = comm
 
     def forward(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         if invariant:
             mine = torch.stack([p.float() for p in self.partials(x)])
-            counts = self.plan.slices_per_rank
+            counts = self.slices_per_rank
             pad = max(counts) - mine.shape[0]
             if pad:  # collectives need one shape on every rank
                 mine = torch.cat([mine, mine.new_zeros(pad, *mine.shape[1:])])
@@ -61,10 +61,9 @@ def shard_model(model: CausalLM, plan: ShardPlan, comm: Communicator) -> None:
             raise ValueError("tensor parallelism does not support a bias on attention-out or MLP-down")
         _keep_rows(attn.qkv, qkv_rows)
         _keep_rows(mlp.gate_up, gate_up_rows)
-        slices = cfg.reduction_groups
-        attn.o = RowParallelLinear(attn.o.weight[:, q_rows].contiguous(), cfg.q_size // slices, plan, comm)
-        mlp.down = RowParallelLinear(mlp.down.weight[:, inter].contiguous(), cfg.intermediate_size // slices, plan,
-                                     comm)
+        # the slice widths the unsharded model's invariant path uses (CausalLM._mark_reduction_groups)
+        attn.o = RowParallelLinear(attn.o.weight[:, q_rows].contiguous(), attn.o.group_width, plan, comm)
+        mlp.down = RowParallelLinear(mlp.down.weight[:, inter].contiguous(), mlp.down.group_width, plan, comm)
         attn.cfg = local
 
 

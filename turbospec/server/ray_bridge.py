@@ -7,11 +7,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..bench.prometheus_text import SAMPLE_LINE
 from .ray_router import RouteHint, prefix_digest
 
 log = logging.getLogger("turbospec.server")
@@ -119,9 +119,6 @@ def _prompt_text(body: dict[str, Any]) -> str:
 
 # --- metrics ------------------------------------------------------------------------------------------------
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?(\s.*)$")
-
-
 def merge_metrics(texts: dict[str, str]) -> str:
     """Prometheus text from several replicas as one exposition: each family's HELP and TYPE once, then every
     replica's samples with a `replica` label added (the exposition format wants a family's samples together)."""
@@ -135,7 +132,7 @@ def merge_metrics(texts: dict[str, str]) -> str:
                 if line not in current[0]:
                     current[0].append(line)
             elif line and not line.startswith("#"):
-                match = _SAMPLE.match(line)
+                match = SAMPLE_LINE.match(line)
                 if match is None:
                     continue
                 if current is None:
@@ -143,5 +140,5 @@ def merge_metrics(texts: dict[str, str]) -> str:
                 labels = match.group(2)
                 label = f'replica="{replica}"'
                 labels = "{" + label + ("," + labels[1:] if labels and labels != "{}" else "}")
-                current[1].append(f"{match.group(1)}{labels}{match.group(3)}")
+                current[1].append(f"{match.group(1)}{labels} {match.group(3)}")
     return "".join(line + "\n" for head, samples in families.values() for line in head + samples)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..bench.serve_bench import parse_rates
+from ..config import check_positive, int_list
 from ..models.registry import turbospec_home
 from .acceptance import AcceptanceModel, PositionRates, TraceReplay, load_trace, rates_from_trace
 from .replica import SpecPolicy
@@ -82,11 +83,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", default=None, metavar="PREFIX", help="write PREFIX.json")
 
 
-def _positive(flag: str, value: int) -> None:
-    if value < 1:
-        raise ValueError(f"{flag} must be an integer >= 1, got {value}")
-
-
 def step_cost(args: argparse.Namespace) -> StepCost:
     given = [f for f in ("profile", "profile_key", "profile_model", "roofline") if getattr(args, f)]
     if len(given) != 1:
@@ -145,7 +141,7 @@ def acceptance_model(args: argparse.Namespace) -> AcceptanceModel | None:
 
 def policy(args: argparse.Namespace, has_acceptance: bool) -> SpecPolicy:
     value = args.speculation
-    _positive("--k-max", args.k_max)
+    check_positive("--k-max", args.k_max)
     if value == "off":
         return SpecPolicy()
     if value == "auto":
@@ -170,7 +166,7 @@ def traffic(args: argparse.Namespace) -> list[tuple[str, list[SimRequest]]]:
     if args.dataset not in DATASETS:
         raise ValueError(f"--dataset must be one of {', '.join(DATASETS)}, got {args.dataset!r}")
     for flag in ("num_prompts", "input_len", "output_len", "max_tokens"):
-        _positive("--" + flag.replace("_", "-"), getattr(args, flag))
+        check_positive("--" + flag.replace("_", "-"), getattr(args, flag))
     if not (math.isfinite(args.burstiness) and args.burstiness > 0):
         raise ValueError(f"--burstiness must be a finite number > 0 (1.0 = Poisson), got {args.burstiness}")
     n = args.num_prompts
@@ -193,22 +189,12 @@ def traffic(args: argparse.Namespace) -> list[tuple[str, list[SimRequest]]]:
     return [(str(r), with_arrivals(lengths, r, args.burstiness, args.seed)) for r in rates]
 
 
-def replica_counts(text: str) -> list[int]:
-    try:
-        counts = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise ValueError(f"--replicas must be comma-separated integers >= 1, got {text!r}") from None
-    if any(c < 1 for c in counts):
-        raise ValueError(f"--replicas must be comma-separated integers >= 1, got {text!r}")
-    return counts
-
-
 def run(args: argparse.Namespace) -> int:
     if args.router not in ROUTERS:
         raise ValueError(f"--router must be one of {', '.join(ROUTERS)}, got {args.router!r}")
-    _positive("--max-num-seqs", args.max_num_seqs)
-    _positive("--max-num-batched-tokens", args.max_num_batched_tokens)
-    counts = replica_counts(args.replicas)
+    check_positive("--max-num-seqs", args.max_num_seqs)
+    check_positive("--max-num-batched-tokens", args.max_num_batched_tokens)
+    counts = int_list("--replicas", args.replicas)
     cost = step_cost(args)
     acceptance = acceptance_model(args)
     spec = policy(args, acceptance is not None)
