@@ -150,7 +150,7 @@ def test_chunked_prefill_prefix_cache_and_speculation_change_nothing(invariant: 
                {"method": "hydra", "num_speculative_tokens": 4}, {"method": "eagle", "num_speculative_tokens": 4}]
     for config in configs:
         spec = _llm("batch-invariant", speculative_config=config)
-        assert set(_needle_runs(spec, GREEDY, trials=2)) == {want}, config
+        assert set(_needle_runs(spec, GREEDY, trials=1)) == {want}, config  # alone, then in a random batch
         if "num_speculative_tokens" in config:  # the controller may rightly choose k = 0 throughout
             assert spec.spec_stats()["num_draft_tokens"] > 0, config
 
@@ -210,7 +210,7 @@ def test_llm42_equals_batch_invariant_in_any_batch(invariant: LLM, reference: di
     want = reference["greedy" if params is GREEDY else "seeded"]
     for window in (8, 64):
         llm = _sibling(invariant, "llm42", verify_window=window)
-        runs = _needle_runs(llm, params, trials=4)
+        runs = _needle_runs(llm, params, trials=2)
         assert set(runs) == {want}, window
         stats = llm.engine.determinism_stats()
         # every token is checked but those an invariant step made over exact context (the first after prefill)
@@ -228,7 +228,7 @@ def test_llm42_with_chunked_prefill_prefix_cache_and_speculation(invariant: LLM,
     for config in ({"method": "ngram"}, {"method": "ngram", "num_speculative_tokens": 4},
                    {"method": "draft", "model": MODEL, "num_speculative_tokens": 3}):
         spec = _sibling(invariant, "llm42", speculative_config=config, verify_window=16)
-        assert set(_needle_runs(spec, GREEDY, trials=2)) == {want}, config
+        assert set(_needle_runs(spec, GREEDY, trials=1)) == {want}, config
 
 
 @pytest.mark.slow

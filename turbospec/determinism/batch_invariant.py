@@ -16,8 +16,10 @@ tests/test_determinism.py check each claim):
 
 Padding costs: a batch-8 decode would pay for 16 rows. But on the machine these notes were written on (AMD
 EPYC, torch 2.13, bf16), every weight shape of our models gives a row the same bits for every M >= 2; only
-M = 1 takes another kernel for some shapes (large K). ``probe_linear`` finds, once per shape and process, the
-smallest row multiple (1, 2, 4, 8 or 16) that makes a shape invariant, and ``invariant_linear`` pads to that.
+M = 1 takes another kernel for some shapes (large K). On a Xeon with AMX the kernel changes at larger M instead
+(33 rows for bf16, 57-193 for fp32), so padding alone is not enough there: calls are capped at a chunk of rows.
+``probe_linear`` finds, once per shape and process, the smallest row multiple (1, 2, 4, 8 or 16) and the largest
+chunk (256 down to 16 rows) that make a shape invariant, and ``invariant_linear`` pads and splits to those.
 The needle tests check the whole engine either way.
 """
 
@@ -39,42 +41,55 @@ def pad_rows(x: torch.Tensor, multiple: int = ROW_MULTIPLE) -> tuple[torch.Tenso
     return x, rows
 
 
-PROBE_ROWS = (*range(1, 18), 24, 31, 32, 33, 64, 100, 128, 256)
-PROBE_CHECKED_ROWS = 16  # rows of each probe call compared with the reference calls
+# Row counts each probe tries: every count up to 64 (kernels switch at odd counts: 33 for bf16 here, 57 for one
+# fp32 shape), then a sparse sweep up to the largest chunk.
+PROBE_ROWS = (*range(1, 65), 72, 96, 100, 121, 127, 128, 129, 160, 193, 200, 255, 256)
 ROW_MULTIPLES = (1, 2, 4, 8, ROW_MULTIPLE)
-_row_multiple: dict[tuple[object, ...], int] = {}
+CHUNK_ROWS = (256, 128, 64, 32, ROW_MULTIPLE)  # largest first: fewer calls for long prefill chunks
+_layout: dict[tuple[object, ...], tuple[int, int]] = {}
 
 
-def probe_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> int:
-    """The smallest row multiple r (1, 2, 4, 8 or 16) such that F.linear with this weight's shape, dtype and
-    device, on this many threads, gives every row the same bits whatever the call's row count, once rows are
-    padded to a multiple of r. Probed once per process: every row count in PROBE_ROWS, two random inputs,
-    compared with calls of exactly r rows. 16 is the fallback (what the tests check the engine with)."""
+def probe_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[int, int]:
+    """(r, c): the smallest row multiple r (1, 2, 4, 8 or 16), then the largest chunk c, such that F.linear with
+    this weight's shape, dtype and device, on this many threads, gives every row the same bits whatever the
+    call's row count and the row's place in it, once rows are padded to a multiple of r and calls have at most c
+    rows. Probed once per process: row counts in PROBE_ROWS up to c, two random inputs, compared with calls of
+    exactly r rows. (16, 16) is the fallback.
+
+    The chunk matters on CPUs whose kernels change with M: on a Xeon with AMX (torch 2.13) bf16 takes another
+    kernel from 33 rows and fp32 from 57 to 193 rows depending on the shape, so a row's bits depended on the
+    batch until calls were capped at 32 rows there."""
     key = (tuple(weight.shape), weight.dtype, weight.device, bias is not None, torch.get_num_threads())
-    if key not in _row_multiple:
+    if key not in _layout:
         gen = torch.Generator().manual_seed(0)
-        inputs = [torch.randn(max(PROBE_ROWS), weight.shape[1], generator=gen).to(weight.device, weight.dtype)
+        inputs = [torch.randn(max(CHUNK_ROWS), weight.shape[1], generator=gen).to(weight.device, weight.dtype)
                   for _ in range(2)]
-        _row_multiple[key] = next((r for r in ROW_MULTIPLES[:-1] if _agrees(weight, bias, inputs, r)), ROW_MULTIPLE)
-    return _row_multiple[key]
+        _layout[key] = next(((r, c) for r in ROW_MULTIPLES[:-1] for c in CHUNK_ROWS
+                             if c % r == 0 and _agrees(weight, bias, inputs, r, c)), (ROW_MULTIPLE, ROW_MULTIPLE))
+    return _layout[key]
 
 
-def _agrees(weight: torch.Tensor, bias: torch.Tensor | None, inputs: list[torch.Tensor], multiple: int) -> bool:
+def _agrees(weight: torch.Tensor, bias: torch.Tensor | None, inputs: list[torch.Tensor], multiple: int,
+            chunk: int) -> bool:
     for x in inputs:
-        reference = torch.cat([F.linear(x[i:i + multiple], weight, bias) for i in range(0, PROBE_CHECKED_ROWS, multiple)])
+        reference = torch.cat([F.linear(x[i:i + multiple], weight, bias) for i in range(0, chunk, multiple)])
         for m in PROBE_ROWS:
-            rows = min(m, PROBE_CHECKED_ROWS)
-            if not torch.equal(F.linear(pad_rows(x[:m], multiple)[0], weight, bias)[:rows], reference[:rows]):
+            if m > chunk:
+                break
+            if not torch.equal(F.linear(pad_rows(x[:m], multiple)[0], weight, bias)[:m], reference[:m]):
                 return False
     return True
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear whose rows do not depend on how many other rows the call has: rows padded to the multiple that
-    the weight's shape probed at (often 1 or 2, at most 16)."""
+    the weight's shape probed at (often 1 or 2, at most 16), in calls of at most the probed chunk of rows."""
     if x.dim() != 2:
         return invariant_linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
-    padded, rows = pad_rows(x, probe_linear(weight, bias))
+    multiple, chunk = probe_linear(weight, bias)
+    if x.shape[0] > chunk:
+        return torch.cat([invariant_linear(x[i:i + chunk], weight, bias) for i in range(0, x.shape[0], chunk)])
+    padded, rows = pad_rows(x, multiple)
     return F.linear(padded, weight, bias)[:rows] if padded.shape[0] != rows else F.linear(x, weight, bias)
 
 
@@ -107,9 +122,10 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     return out.view(b, hq, nq, d).to(q.dtype)
 
 
-def probe_model(model: torch.nn.Module) -> dict[tuple[int, ...], int]:
+def probe_model(model: torch.nn.Module) -> dict[tuple[int, ...], tuple[int, int]]:
     """Probe every linear weight of a model now (an engine that will run the invariant path calls this at
-    start-up, so the first invariant step is not the one that pays for it). Returns shape -> row multiple."""
+    start-up, so the first invariant step is not the one that pays for it). Returns shape -> (row multiple,
+    chunk rows)."""
     result = {}
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
