@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from turbospec.attention import build_metadata, paged_attention
+from turbospec.attention_groups import GROUP_BREAK_SLOTS, gathered_slots, plan_groups
 
 HQ, HKV, D, BS = 4, 2, 8, 4
 
@@ -51,10 +52,10 @@ def _setup(query_lens, context_lens, seed=0):
 @pytest.mark.parametrize("window", [None, 5])
 def test_ragged_batch_matches_dense_reference(window):
     # a decode, a 3-token verification window, a first prefill chunk, a later prefill chunk
-    query_lens = [1, 3, 20, 7]
+    query_lens = [1, 3, 20, 17]
     context_lens = [9, 14, 20, 30]
     q, k, v, k_cache, v_cache, tables = _setup(query_lens, context_lens)
-    meta = build_metadata(query_lens, context_lens, tables, max_group_query=4)
+    meta = build_metadata(query_lens, context_lens, tables)
     assert len(meta.groups) == 3  # the two short queries share one padded group; each long chunk has its own
     out = paged_attention(q, k, v, k_cache, v_cache, meta, scale=1 / math.sqrt(D), sliding_window=window)
     start = 0
@@ -62,6 +63,26 @@ def test_ragged_batch_matches_dense_reference(window):
         # the new tokens' K/V were written into their slots
         torch.testing.assert_close(k_cache[slots[cl - ql:cl]], k[start:start + ql])
         ref = _reference(q[start:start + ql], k_cache[slots], v_cache[slots], torch.arange(cl - ql, cl), window)
+        torch.testing.assert_close(out[start:start + ql], ref, rtol=1e-5, atol=1e-5)
+        start += ql
+
+
+def test_far_apart_contexts_get_their_own_groups_and_match_the_reference():
+    # decodes and a verification window at 600 and at ~20 tokens: padding the short ones to 600 would read 30x
+    # the slots they need, so they form a second group; the split changes nothing in the outputs
+    query_lens = [1, 1, 3, 1, 1]
+    context_lens = [600, 20, 25, 590, 18]
+    assert plan_groups(query_lens, context_lens) == [[0, 3], [1, 2, 4]]
+    assert gathered_slots(query_lens, context_lens) == 2 * 600 + 3 * 25
+    assert gathered_slots([1, 1], [600, 599 - GROUP_BREAK_SLOTS]) == 600 + 599 - GROUP_BREAK_SLOTS  # past it: two
+    assert gathered_slots([1, 1], [600, 600 - GROUP_BREAK_SLOTS]) == 2 * 600  # at the break: one group
+    q, k, v, k_cache, v_cache, tables = _setup(query_lens, context_lens, seed=3)
+    meta = build_metadata(query_lens, context_lens, tables)
+    assert [g.kv_slots.shape for g in meta.groups] == [(2, 600), (3, 25)]
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, scale=1 / math.sqrt(D))
+    start = 0
+    for ql, cl, slots in zip(query_lens, context_lens, tables):
+        ref = _reference(q[start:start + ql], k_cache[slots], v_cache[slots], torch.arange(cl - ql, cl))
         torch.testing.assert_close(out[start:start + ql], ref, rtol=1e-5, atol=1e-5)
         start += ql
 

@@ -5,9 +5,9 @@ decodes, and k+1-token verification windows side by side. The KV cache of a laye
 of slots ``[num_slots, kv_heads, head_dim]``; a sequence's context is whatever slots its block table
 names, so paging costs one gather per layer.
 
-Sequences are packed into *groups*: many short queries (decode / verification) are padded into one
-``[B, Q]`` batch and attended in a single SDPA call, while each long prefill chunk gets a group of its
-own, so a 512-token chunk never pads 15 decodes to 512 rows.
+Sequences are packed into *groups* (attention_groups.py): short queries (decode / verification) of similar
+context lengths are padded into one ``[B, Q]`` batch and attended in a single call, while each long prefill
+chunk gets a group of its own.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .attention_groups import plan_groups
 from .determinism.batch_invariant import invariant_attention
 
 
@@ -79,7 +80,6 @@ def build_metadata(
     context_lens: list[int],
     slot_tables: list[torch.Tensor],
     tree_masks: list[torch.Tensor | None] | None = None,
-    max_group_query: int = 16,
     invariant: list[bool] | None = None,
     tree_positions: list[list[int] | None] | None = None,
 ) -> AttentionMetadata:
@@ -105,10 +105,8 @@ def build_metadata(
     groups: list[AttnGroup] = []
     for flag in (False, True):  # invariant sequences never share a group with fast ones
         members = [i for i in range(len(query_lens)) if exact[i] == flag]
-        short = [i for i in members if query_lens[i] <= max_group_query]
-        made = [_group(short, query_lens, context_lens, starts, slot_tables, trees, tree_pos)] if short else []
-        made += [_group([i], query_lens, context_lens, starts, slot_tables, trees, tree_pos)
-                 for i in members if query_lens[i] > max_group_query]
+        made = [_group(seqs, query_lens, context_lens, starts, slot_tables, trees, tree_pos)
+                for seqs in plan_groups(query_lens, context_lens, members)]
         for g in made:
             g.invariant = flag
         groups += made
