@@ -5,10 +5,14 @@
 On smollm2-135m (CPU, the engine's default options but one thread, n-gram speculation with k = 4):
 1. the step-time profile the engine would use (its profile key), reused from the cache or measured
    (`turbospec profile --grid full` equivalent);
-2. a calibration run on its own prompts: a burst that measures the engine's capacity (to place the three
-   rates) and the per-step serving overhead the profile does not see (the serving loop around
-   ``engine.step()``); nothing of the validation runs is used to calibrate;
-3. real serving at three rates (about 30%, 60% and 90% of that capacity), each on its own ShareGPT prompts,
+2. before each rate, a calibration run on its own prompts: two requests served one at a time (single-decode
+   steps), then a burst that measures the engine's capacity (the first places the three rates) and large
+   batches. Its steps refit the profile as the engine refits it online, and give the per-step serving
+   overhead the profile does not see (the serving loop around ``engine.step()``); nothing of the validation
+   runs is used to calibrate;
+3. real serving at three rates (25%, 50% and 75% of that capacity: at 90% a step-time error of a few percent
+   moves the queueing delay by tens of percent, and served steps on this shared machine drift by more than
+   that while a run lasts), each on its own ShareGPT prompts,
    through the server's own ``AsyncEngine`` (its engine thread and event loop, as ``turbospec serve`` runs
    it, without the HTTP layer) with Poisson arrivals from ``bench serve``'s generator; it records every
    request's arrival, first token and finish, its prompt and output lengths, and the acceptance trace
@@ -252,6 +256,15 @@ def wait_for_quiet(limit_s: float = 600.0) -> list[float]:
     return load
 
 
+def merged_steps(logs: list[StepLog]) -> dict[str, list]:
+    """Several runs' step logs, in order, as one (each run's first step has no loop time: it followed a wait)."""
+    merged = StepLog()
+    for log in logs:
+        for name in ("features", "parts", "engine_s", "loop_s"):
+            getattr(merged, name).extend(getattr(log, name))
+    return asdict(merged)
+
+
 def tokenized(engine: LLMEngine, n: int, skip: int, tag: str) -> list[tuple[str, list[int]]]:
     prompts = load_sharegpt(n, skip=skip)
     return [(f"{tag}/{p.id}", engine.tokenizer.apply_chat_template([{"role": "user", "content": p.text}]))
@@ -275,8 +288,13 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, Any], StepTimeModel]:
     serve(engine, tokenized(engine, 4, 0, "warmup"), math.inf, args.seed)  # one-off costs (allocations, caches)
     runs: list[dict[str, Any]] = []
     capacity = 0.0
-    for i, fraction in enumerate(float(f) for f in args.fractions.split(",")):
-        # a calibration burst on its own prompts just before each rate, so a drifting background load is tracked
+    fractions = [float(f) for f in args.fractions.split(",")]
+    for i, fraction in enumerate(fractions):
+        # calibration on its own prompts just before each rate, so a drifting background load is tracked: a few
+        # requests one at a time (served single decodes ran 15-35% over the profile's, which a burst never
+        # shows), then a burst (large batches; the first also measures the capacity)
+        alone = [serve(engine, [prompt], math.inf, args.seed) for prompt in
+                 tokenized(engine, args.sequential_requests, 4 + len(fractions) * (n + c) + i * 8, f"alone{i}")]
         calib = serve(engine, tokenized(engine, c, 4 + i * (n + c), f"calibration{i}"), math.inf, args.seed)
         if i == 0:  # capacity: requests per second finished in the first burst, at full batch
             capacity = len(calib.requests) / max(calib.e2el_s)
@@ -285,7 +303,7 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, Any], StepTimeModel]:
         load = list(os.getloadavg())
         run = serve(engine, tokenized(engine, n, 4 + i * (n + c) + c, f"rate{i}"), rate, args.seed + 1 + i)
         runs.append({**as_json(run), "fraction": fraction, "load": [load[0], os.getloadavg()[0]],
-                     "calibration_steps": asdict(calib.steps),
+                     "calibration_steps": merged_steps([r.steps for r in alone] + [calib.steps]),
                      "diagnostic_steps": asdict(run.steps)})  # to explain errors afterwards; never fitted on
         print(f"rate {rate} done (load {load[0]:.2f} -> {os.getloadavg()[0]:.2f})", flush=True)
     data = {
@@ -305,7 +323,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--num-requests", type=int, default=60, help="requests per validation rate")
     p.add_argument("--calibration-requests", type=int, default=16, help="requests per calibration burst")
-    p.add_argument("--fractions", default="0.3,0.6,0.9", help="rates as fractions of the measured capacity")
+    p.add_argument("--sequential-requests", type=int, default=2,
+                   help="requests served one at a time at the start of each calibration (single-decode steps)")
+    p.add_argument("--fractions", default="0.25,0.5,0.75", help="rates as fractions of the measured capacity")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-wait", type=float, default=600.0, help="seconds to wait for a quiet machine first")
     p.add_argument("--num-threads", type=int, default=1,
@@ -371,12 +391,13 @@ def write(result: dict[str, Any], out: Path) -> None:
              f"{result['rates'][0]['num_requests']} ShareGPT requests each (own prompts), max_tokens "
              f"{result['max_tokens']}, greedy.", "",
              f"Predicted ({primary}: each request's recorded acceptance; the profile refitted, as the engine refits "
-             "it online, on the steps of a calibration burst run just before the rate on other prompts, plus the "
-             "serving loop's time around engine.step()) vs measured; error = predicted / measured - 1; target "
-             "|error| <= 15%. Other predictions: 'rates' draws acceptance from per-position rates instead of "
-             "replaying; 'scaled' keeps the profile and fits a speed factor and per-step seconds on the "
-             "calibration burst; 'profile only' uses the profile as measured; 'oracle step times' is a DIAGNOSTIC, "
-             "not a prediction: step times fitted on the measured run's own steps, to separate the step-time "
+             "it online, on the steps of a calibration run (two requests one at a time, then a burst) just before "
+             "the rate on other prompts, plus the serving loop's time around engine.step()) vs measured; error = "
+             "predicted / measured - 1; target |error| <= 15%. Other predictions: 'rates' draws acceptance from "
+             "per-position rates instead of replaying; 'scaled' keeps the profile and fits a speed factor and "
+             "per-step seconds on the calibration run; 'profile only' uses the profile as measured; 'oracle "
+             "step times' is a DIAGNOSTIC, not a prediction: step times fitted on the measured run's own steps, "
+             "to separate the step-time "
              "model's error from the rest of the simulator's.", "",
              "| rate (req/s) | load avg (start -> end) | metric | measured ms | predicted ms | error |",
              "|---|---|---|---|---|---|"]

@@ -7,6 +7,7 @@ import itertools
 import random
 
 import pytest
+import torch
 
 from turbospec.control.acceptance import (
     ESTIMATORS, GlobalEMA, PositionBeta, RequestBeta, expected_tokens, make_estimator, outcome_probability,
@@ -180,6 +181,70 @@ def test_step_time_fit_recovers_a_kinked_target_and_picks_it_by_heldout_error():
     f = StepFeatures(batch=4, tokens=40, kv=2048, attn=40 * 512)
     truth = 0.03 + 0.0004 * 40 + 0.002 * 8 + 1e-7 * 2048 + 0.001 + 0.0004
     assert model.predict(f) == pytest.approx(truth, rel=0.05)
+
+
+def _padded_samples(rng, n=160):
+    """Decode steps of requests with unequal contexts, timed by the slots attention reads (padding included)."""
+    out = []
+    for _ in range(n):
+        f = StepFeatures()
+        for _ in range(rng.choice([1, 2, 4, 8, 16])):
+            f.add(rng.choice([30, 60, 400, 900, 1500]), 1, rng.choice([0, 2]))
+        t = 0.02 + 0.0005 * f.tokens + 4e-6 * f.gathered_slots()
+        out.append(StepSample(f, t * rng.uniform(0.98, 1.02), 0.0, 0.001))
+    return out
+
+
+def test_step_time_fit_prefers_the_padded_slots_attention_reads_when_contexts_differ(tmp_path):
+    samples = _padded_samples(random.Random(8))
+    model = StepTimeModel.fit(samples)
+    assert "gathered" in model.parts["target"].columns
+    skewed = StepFeatures()  # one long request and fifteen short ones: two attention groups, little padding
+    for ctx in [1500] + [30] * 15:
+        skewed.add(ctx, 1)
+    assert skewed.gathered_slots() == 1501 + 15 * 31
+    assert model.predict(skewed) == pytest.approx(0.021 + 0.0005 * 16 + 4e-6 * (1501 + 15 * 31), rel=0.05)
+    model.save(tmp_path / "p.json")  # the padded slots are stored with each sample, not recomputed
+    again = StepTimeModel.load(tmp_path / "p.json")
+    assert again is not None and [s.features.gathered for s in again.samples] == [s.features.gathered_slots()
+                                                                                  for s in samples]
+
+
+def test_a_step_up_where_packed_linears_turn_dense_is_fitted_and_priced_by_spec_cost():
+    """Packed int4 linears switch to dense bf16 at their crossover rows; on a Xeon the step time jumped there
+    (43 ms at 4 tokens, 64 ms at 5). The fit must find the jump, and the controller's spec_cost must price it,
+    or it verifies 4 drafts where 3 cost a third less."""
+    rng = random.Random(9)
+    samples = []
+    for _ in range(200):
+        f = StepFeatures()
+        for _ in range(rng.choice([1, 1, 2, 3])):
+            f.add(rng.choice([50, 200, 600]), 1, rng.choice([0, 1, 2, 3, 4, 5, 8]))
+        t = 0.03 + 0.004 * f.tokens + 0.02 * (f.tokens > 4) + 2e-6 * f.kv
+        samples.append(StepSample(f, t * rng.uniform(0.98, 1.02), 0.0, 0.001))
+    model = StepTimeModel.fit(samples)
+    assert "jump4" in model.parts["target"].columns
+    base = StepFeatures()
+    base.add(199, 1)
+    cost = model.spec_cost(base)
+    for k in range(6):
+        f = StepFeatures()
+        f.add(199, 1, k)
+        assert cost(k, k, k * (200 + k)) == pytest.approx(model.predict(f), rel=1e-6)
+    assert cost(4, 4, 4 * 204) - cost(3, 3, 3 * 203) > 0.015  # the jump, not one token's 4 ms
+
+
+def test_gathered_slots_are_the_slots_the_runner_pads_its_attention_groups_to():
+    from turbospec.attention import build_metadata
+
+    f = StepFeatures()
+    starts, news, ks = [599, 19, 22, 589, 17, 40], [1, 1, 1, 1, 1, 40], [0, 0, 2, 0, 0, 0]
+    for start, new, k in zip(starts, news, ks):
+        f.add(start, new, k)
+    q = [n + k for n, k in zip(news, ks)]
+    ctx = [s + x for s, x in zip(starts, q)]
+    meta = build_metadata(q, ctx, [torch.arange(c) for c in ctx])
+    assert f.gathered_slots() == sum(g.kv_slots.numel() for g in meta.groups) == 2 * 600 + 3 * 25 + 80
 
 
 def test_step_time_model_survives_a_cache_round_trip(tmp_path):

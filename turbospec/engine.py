@@ -116,7 +116,7 @@ class LLMEngine:
         if config.deterministic in REQUEST_DETERMINISTIC_MODES:  # they run the invariant path: probe it now
             from .determinism.batch_invariant import probe_model
 
-            log.info("batch-invariant linears pad rows to these multiples: %s", probe_model(self.loaded.model))
+            log.info("batch-invariant linears (shape: row multiple, most rows per call): %s", probe_model(self.loaded.model))
         if self.spec_mode == "auto":
             self._ensure_controller(progress)
 
@@ -366,6 +366,7 @@ class LLMEngine:
         f = StepFeatures(draft_tokens=draft_tokens)
         for s in sched.scheduled:
             f.add(s.start, s.num_new_tokens, len(s.request.spec_token_ids[: s.num_spec_tokens]) if s.samples else 0)
+        f.attention_calls()  # planned now: the sample is logged and serialised as it is
         return f
 
     def _learn_step_time(self, sample: StepSample) -> None:

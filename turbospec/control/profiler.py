@@ -1,9 +1,12 @@
 """Profile the real engine's step time over a grid and cache the fitted model per model, dtype, threads and
 hardware (``turbospec profile``, or a brief run the first time the controller needs one).
 
-Every grid point runs real ``engine.step()`` calls: B requests sharing one prompt of C tokens (the prefix
-cache makes all but the first prefill nearly free), each verifying k drafts per step. Every step the engine
-runs is a sample, the prefill chunks included, so the fit also covers prefill-heavy steps. During profiling:
+Every grid point runs real ``engine.step()`` calls: B requests with their own random prompts, of lengths
+spread evenly over [C/2, 3C/2] (mean C), each verifying k drafts per step. Served requests share neither KV
+blocks nor context lengths: one prompt for all (as an earlier profiler did, for cheap prefills) made steps
+faster than served ones and hid the padding attention pays for unequal contexts (attention_groups.py), so
+served steps of 7+ requests ran 35-50% over the profile. Every step the engine runs is a sample, the prefill
+chunks included, so the fit also covers prefill-heavy steps. During profiling:
 - acceptance is synthetic and 0, so contexts grow one token per step whatever the drafts say;
 - the n-gram proposer is replaced by one that always proposes k tokens. Real lookups often find no match,
   and the verify cost does not depend on the draft's values.
@@ -47,6 +50,11 @@ GRIDS = {
 }
 
 
+# Part of every profile's key: a profile measured the earlier way (one prompt shared by all requests, no
+# attention-group features) is measured again rather than trusted.
+PROFILER_VERSION = "3"
+
+
 class RepeatProposer(Proposer):
     """Proposes k copies of the last token: a stand-in whose only job is to fill k verify slots."""
 
@@ -69,6 +77,7 @@ def hardware_name(device: str) -> str:
 def profile_key(engine: LLMEngine) -> dict[str, str]:
     spec = engine.spec
     key = {
+        "profiler": PROFILER_VERSION,
         "model": engine.config.model,
         "dtype": str(engine.dtype).removeprefix("torch."),
         "threads": str(engine.config.threads),
@@ -93,17 +102,24 @@ def profile_path(key: dict[str, str]) -> Path:
     return turbospec_home() / "profiles" / f"{stem}-{key['dtype']}-t{key['threads']}-{digest}.json"
 
 
+def prompt_lengths(context: int, batch: int) -> list[int]:
+    """A grid point's prompt lengths: spread evenly over [C/2, 3C/2], so their mean is C."""
+    if batch == 1:
+        return [context]
+    return [max(1, round(context * (0.5 + i / (batch - 1)))) for i in range(batch)]
+
+
 def _grid_points(engine: LLMEngine, grid: ProfileGrid) -> list[tuple[int, int]]:
     """(context, batch) pairs that fit the engine's limits."""
     k_max = max(grid.ks)
     steps = len(grid.ks) * (grid.repeats + 1) + 4
     points = []
     for ctx in grid.contexts:
-        if ctx + steps * (k_max + 1) + 2 > engine.max_model_len:
-            continue
         for b in grid.batch_sizes:
-            per_seq = -(-(ctx + steps * (k_max + 1) + 2) // engine.config.block_size)
-            if b <= engine.config.max_num_seqs and b * per_seq <= engine.kv.num_blocks:
+            lengths = [n + steps * (k_max + 1) + 2 for n in prompt_lengths(ctx, b)]
+            blocks = sum(-(-n // engine.config.block_size) for n in lengths)
+            if max(lengths) <= engine.max_model_len and b <= engine.config.max_num_seqs and \
+                    blocks <= engine.kv.num_blocks:
                 points.append((ctx, b))
     return points
 
@@ -137,12 +153,10 @@ def profile_engine(engine: LLMEngine, grid: ProfileGrid, progress: bool = True, 
 
     try:
         for ctx, batch in points:
-            prefix = [rng.randrange(vocab) for _ in range(ctx)]
-            params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - ctx - 1, ignore_eos=True)
-            ids = [engine.add_request(prefix + [rng.randrange(vocab)], params)]
-            while engine.requests[ids[0]].is_prefilling or engine.requests[ids[0]].num_computed_tokens == 0:
-                step()  # the first prefill fills the prefix cache for the others
-            ids += [engine.add_request(prefix + [rng.randrange(vocab)], params) for _ in range(batch - 1)]
+            ids = [engine.add_request([rng.randrange(vocab) for _ in range(n)],
+                                      SamplingParams(temperature=0, max_tokens=engine.max_model_len - n - 1,
+                                                     ignore_eos=True))
+                   for n in prompt_lengths(ctx, batch)]
             while any(engine.requests[r].is_prefilling or engine.requests[r].num_computed_tokens == 0 for r in ids):
                 step()
             for k in ks:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..attention_groups import attention_work
+
 PARTS = ("target", "draft", "overhead")
 
 
@@ -41,12 +43,24 @@ class StepFeatures:
     draft_steps: int = 0  # max k_i: autoregressive draft forwards
     draft_tokens: int = 0  # tokens the draft model processes (catch-up + k_i - 1 per drafting request)
     draft_kv: int = 0  # sum over drafting requests of k_i x context length
+    # cache slots attention reads, padding included: requests padded to the longest context of their attention
+    # group (attention_groups.py); and the attention calls per layer (one per group). Both computed from the
+    # requests added when first read (gathered_slots(), attention_calls())
+    gathered: int = 0
+    attn_calls: int = 0
+
+    def __post_init__(self) -> None:
+        self._lens: tuple[list[int], list[int]] = ([], [])  # (query, context) per request added, not serialised
+        self._gathered_stale = False
 
     def add(self, start: int, num_new: int, k: int = 0) -> None:
         """Count one request's share of the step: num_new known tokens from position `start`, then k drafts
         verified after them (the draft model's tokens, draft_tokens, are the caller's to count)."""
         q = num_new + k
         ctx = start + q
+        self._lens[0].append(q)
+        self._lens[1].append(ctx)
+        self._gathered_stale = True
         self.batch += 1
         self.tokens += q
         self.kv += ctx
@@ -55,6 +69,20 @@ class StepFeatures:
             self.spec_tokens += k
             self.draft_steps = max(self.draft_steps, k)
             self.draft_kv += k * ctx
+
+    def _plan_attention(self) -> None:
+        """`attn_calls` and `gathered`, planned once after the last add (a sort of the step's requests)."""
+        if self._gathered_stale:
+            self.attn_calls, self.gathered = attention_work(*self._lens)
+            self._gathered_stale = False
+
+    def gathered_slots(self) -> int:
+        self._plan_attention()
+        return self.gathered
+
+    def attention_calls(self) -> int:
+        self._plan_attention()
+        return self.attn_calls
 
 
 @dataclass
@@ -73,13 +101,20 @@ class StepSample:
 
 
 def _feature(f: StepFeatures, name: str) -> float:
-    """Named columns; 'hinge<N>' is max(0, tokens - N), 'one' the intercept, 'drafting' 1 if any draft."""
+    """Named columns; 'hinge<N>' is max(0, tokens - N), 'jump<N>' 1 if tokens > N, 'one' the intercept, 'drafting'
+    1 if any draft."""
     if name == "one":
         return 1.0
     if name == "drafting":
         return 1.0 if f.draft_steps > 0 else 0.0
     if name.startswith("hinge"):
         return float(max(0, f.tokens - int(name[5:])))
+    if name.startswith("jump"):
+        return 1.0 if f.tokens > int(name[4:]) else 0.0
+    if name == "gathered":
+        return float(f.gathered_slots())
+    if name == "attn_calls":
+        return float(f.attention_calls())
     return float(getattr(f, name))
 
 
@@ -88,16 +123,24 @@ HINGE_KNOTS = (4, 8, 16, 32, 64, 128)
 # packed kernels, flattens where they switch to dense at their crossover (a few rows), and grows again
 # once the dense kernels fill. Two hinges, the first at a small knot, describe that shape.
 PACKED_KNOTS = (2, 3, 4, 5, 6, 8)
+_TARGET_FORMS: list[tuple[str, ...]] = [
+    ("one", "tokens", "kv"),
+    ("one", "batch", "tokens", "kv"),
+    ("one", "batch", "tokens", "kv", "attn"),
+    *[("one", "tokens", f"hinge{k}", "kv") for k in HINGE_KNOTS],
+    *[("one", "tokens", f"hinge{k}", "kv", "attn") for k in HINGE_KNOTS],
+    *[("one", "tokens", f"hinge{a}", f"hinge{b}", "kv") for a in PACKED_KNOTS for b in (16, 32, 64)],
+    # the switch itself can be a step up: smollm2's int4 linears at 4 rows took 43 ms a step, dense at 5 rows
+    # 64 ms (Xeon, 1 thread), a jump no hinge fits
+    *[("one", "tokens", f"jump{a}", f"hinge{a}", f"hinge{b}", "kv") for a in PACKED_KNOTS for b in (16, 32, 64)],
+]
 CANDIDATES: dict[str, list[tuple[str, ...]]] = {
-    "target": [
-        ("one", "tokens"),
-        ("one", "tokens", "kv"),
-        ("one", "batch", "tokens", "kv"),
-        ("one", "batch", "tokens", "kv", "attn"),
-        *[("one", "tokens", f"hinge{k}", "kv") for k in HINGE_KNOTS],
-        *[("one", "tokens", f"hinge{k}", "kv", "attn") for k in HINGE_KNOTS],
-        *[("one", "tokens", f"hinge{a}", f"hinge{b}", "kv") for a in PACKED_KNOTS for b in (16, 32, 64)],
-    ],
+    # each form with the context read as the sum of contexts (kv), or as the padded slots attention really reads
+    # (gathered: equal when a step's contexts are alike, far apart when one long request pads short ones),
+    # alone or with the number of attention calls (each group costs a call per layer)
+    "target": [("one", "tokens"), *_TARGET_FORMS,
+               *[tuple("gathered" if c == "kv" else c for c in form) for form in _TARGET_FORMS],
+               *[(*("gathered" if c == "kv" else c for c in form), "attn_calls") for form in _TARGET_FORMS]],
     "draft": [
         ("draft_steps", "draft_tokens"),
         ("draft_steps", "draft_tokens", "draft_kv"),
@@ -236,6 +279,10 @@ class StepTimeModel:
                     terms.append((coef, "const", 1.0 if name == "one" else float(base.batch)))
                 elif name in ("tokens", "kv", "spec_tokens", "draft_tokens"):
                     terms.append((coef, "sum_k", float(getattr(base, name))))
+                elif name == "gathered":  # drafts lengthen contexts by a few slots: taken as the base's
+                    terms.append((coef, "const", float(base.gathered_slots())))
+                elif name == "attn_calls":
+                    terms.append((coef, "const", float(base.attention_calls())))
                 elif name in ("attn", "draft_kv"):
                     terms.append((coef, "sum_kctx", float(getattr(base, name))))
                 elif name == "draft_steps":
@@ -244,6 +291,8 @@ class StepTimeModel:
                     terms.append((coef, "drafting", 0.0))
                 elif name.startswith("hinge"):
                     terms.append((coef, "hinge", float(base.tokens - int(name[5:]))))
+                elif name.startswith("jump"):
+                    terms.append((coef, "jump", float(base.tokens - int(name[4:]))))
         const = sum(c * v for c, kind, v in terms if kind == "const")
 
         def cost(sum_k: int, max_k: int, sum_kctx: int) -> float:
@@ -259,6 +308,8 @@ class StepTimeModel:
                     t += c * (max_k > 0)
                 elif kind == "hinge":
                     t += c * max(0.0, v + sum_k)
+                elif kind == "jump":
+                    t += c * (v + sum_k > 0)
             return max(t, 1e-6)
 
         return cost
@@ -292,7 +343,8 @@ class StepTimeModel:
             "key": self.key,
             "parts": {n: {"columns": list(p.columns), "coef": list(p.coef)} for n, p in self.parts.items()},
             "reports": [asdict(r) for r in self.reports],
-            "samples": [{**asdict(s.features), "target_s": s.target_s, "draft_s": s.draft_s,
+            "samples": [{**asdict(s.features), "gathered": s.features.gathered_slots(),
+                         "attn_calls": s.features.attention_calls(), "target_s": s.target_s, "draft_s": s.draft_s,
                          "overhead_s": s.overhead_s} for s in self.samples],
         }
 
