@@ -31,6 +31,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -293,8 +294,9 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, Any], StepTimeModel]:
         # calibration on its own prompts just before each rate, so a drifting background load is tracked: a few
         # requests one at a time (served single decodes ran 15-35% over the profile's, which a burst never
         # shows), then a burst (large batches; the first also measures the capacity)
-        alone = [serve(engine, [prompt], math.inf, args.seed) for prompt in
-                 tokenized(engine, args.sequential_requests, 4 + len(fractions) * (n + c) + i * 8, f"alone{i}")]
+        s = args.sequential_requests
+        alone = [serve(engine, [prompt], math.inf, args.seed)
+                 for prompt in tokenized(engine, s, 4 + len(fractions) * (n + c) + i * s, f"alone{i}")]
         calib = serve(engine, tokenized(engine, c, 4 + i * (n + c), f"calibration{i}"), math.inf, args.seed)
         if i == 0:  # capacity: requests per second finished in the first burst, at full batch
             capacity = len(calib.requests) / max(calib.e2el_s)
@@ -380,6 +382,9 @@ def _rounded(value: Any) -> Any:
 def write(result: dict[str, Any], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(_rounded(result), separators=(",", ":")))
+    profile = Path(result["profile"]["path"])
+    if profile.exists():  # the profile the predictions used, kept with them (it lives in a per-user cache)
+        shutil.copyfile(profile, out.with_name(out.name + "_profile.json"))
     primary = "replay, refit"
     lines = [f"# Simulator validation: {result['model']}, n-gram k = {K}, CPU", "",
              f"`{result['command']}` on {result['date']}, {result['machine']['cpu']} ({result['machine']['cores']} "

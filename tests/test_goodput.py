@@ -212,8 +212,9 @@ def test_step_time_fit_prefers_the_padded_slots_attention_reads_when_contexts_di
 
 def test_a_step_up_where_packed_linears_turn_dense_is_fitted_and_priced_by_spec_cost():
     """Packed int4 linears switch to dense bf16 at their crossover rows; on a Xeon the step time jumped there
-    (43 ms at 4 tokens, 64 ms at 5). The fit must find the jump, and the controller's spec_cost must price it,
-    or it verifies 4 drafts where 3 cost a third less."""
+    (a single decode at a 64-token context: 45 ms at 4 tokens, 74 ms at 5 in
+    benchmarks/results/simulator_validation_profile.json). The fit must find the jump, and the controller's
+    spec_cost must price it, or it verifies 4 drafts where 3 cost a third less."""
     rng = random.Random(9)
     samples = []
     for _ in range(200):

@@ -41,13 +41,6 @@ def plan_groups(query_lens: list[int], context_lens: list[int], members: list[in
     return groups + [[i] for i in members if query_lens[i] > MAX_GROUP_QUERY]
 
 
-def attention_work(query_lens: list[int], context_lens: list[int]) -> tuple[int, int]:
-    """(calls, slots): the step's attention calls per layer, and the cache slots they read per layer and KV head,
-    padding included."""
-    groups = plan_groups(query_lens, context_lens)
-    return len(groups), sum(len(g) * max(context_lens[i] for i in g) for g in groups)
-
-
 def gathered_slots(query_lens: list[int], context_lens: list[int]) -> int:
     """Cache slots the step's attention reads per layer and KV head, padding included."""
-    return attention_work(query_lens, context_lens)[1]
+    return sum(len(g) * max(context_lens[i] for i in g) for g in plan_groups(query_lens, context_lens))

@@ -366,7 +366,7 @@ class LLMEngine:
         f = StepFeatures(draft_tokens=draft_tokens)
         for s in sched.scheduled:
             f.add(s.start, s.num_new_tokens, len(s.request.spec_token_ids[: s.num_spec_tokens]) if s.samples else 0)
-        f.attention_calls()  # planned now: the sample is logged and serialised as it is
+        f.gathered_slots()  # planned now: the sample is logged and serialised as it is
         return f
 
     def _learn_step_time(self, sample: StepSample) -> None:

@@ -51,7 +51,7 @@ GRIDS = {
 
 
 # Part of every profile's key: a profile measured the earlier way (one prompt shared by all requests, no
-# attention-group features) is measured again rather than trusted.
+# padded-slot feature) is measured again rather than trusted.
 PROFILER_VERSION = "3"
 
 

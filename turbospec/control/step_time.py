@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..attention_groups import attention_work
+from ..attention_groups import gathered_slots
 
 PARTS = ("target", "draft", "overhead")
 
@@ -44,10 +44,8 @@ class StepFeatures:
     draft_tokens: int = 0  # tokens the draft model processes (catch-up + k_i - 1 per drafting request)
     draft_kv: int = 0  # sum over drafting requests of k_i x context length
     # cache slots attention reads, padding included: requests padded to the longest context of their attention
-    # group (attention_groups.py); and the attention calls per layer (one per group). Both computed from the
-    # requests added when first read (gathered_slots(), attention_calls())
+    # group (attention_groups.py). Computed from the requests added when first read (gathered_slots())
     gathered: int = 0
-    attn_calls: int = 0
 
     def __post_init__(self) -> None:
         self._lens: tuple[list[int], list[int]] = ([], [])  # (query, context) per request added, not serialised
@@ -70,19 +68,12 @@ class StepFeatures:
             self.draft_steps = max(self.draft_steps, k)
             self.draft_kv += k * ctx
 
-    def _plan_attention(self) -> None:
-        """`attn_calls` and `gathered`, planned once after the last add (a sort of the step's requests)."""
-        if self._gathered_stale:
-            self.attn_calls, self.gathered = attention_work(*self._lens)
-            self._gathered_stale = False
-
     def gathered_slots(self) -> int:
-        self._plan_attention()
+        """`gathered`, planned once after the last add (a sort of the step's requests)."""
+        if self._gathered_stale:
+            self.gathered = gathered_slots(*self._lens)
+            self._gathered_stale = False
         return self.gathered
-
-    def attention_calls(self) -> int:
-        self._plan_attention()
-        return self.attn_calls
 
 
 @dataclass
@@ -113,8 +104,6 @@ def _feature(f: StepFeatures, name: str) -> float:
         return 1.0 if f.tokens > int(name[4:]) else 0.0
     if name == "gathered":
         return float(f.gathered_slots())
-    if name == "attn_calls":
-        return float(f.attention_calls())
     return float(getattr(f, name))
 
 
@@ -130,17 +119,15 @@ _TARGET_FORMS: list[tuple[str, ...]] = [
     *[("one", "tokens", f"hinge{k}", "kv") for k in HINGE_KNOTS],
     *[("one", "tokens", f"hinge{k}", "kv", "attn") for k in HINGE_KNOTS],
     *[("one", "tokens", f"hinge{a}", f"hinge{b}", "kv") for a in PACKED_KNOTS for b in (16, 32, 64)],
-    # the switch itself can be a step up: smollm2's int4 linears at 4 rows took 43 ms a step, dense at 5 rows
-    # 64 ms (Xeon, 1 thread), a jump no hinge fits
+    # the switch itself can be a step up: a smollm2 single decode took 45 ms at 4 tokens (int4) and 74 ms at 5
+    # (dense) on a Xeon, 1 thread (benchmarks/results/simulator_validation_profile.json), a jump no hinge fits
     *[("one", "tokens", f"jump{a}", f"hinge{a}", f"hinge{b}", "kv") for a in PACKED_KNOTS for b in (16, 32, 64)],
 ]
 CANDIDATES: dict[str, list[tuple[str, ...]]] = {
     # each form with the context read as the sum of contexts (kv), or as the padded slots attention really reads
-    # (gathered: equal when a step's contexts are alike, far apart when one long request pads short ones),
-    # alone or with the number of attention calls (each group costs a call per layer)
+    # (gathered: equal when a step's contexts are alike, far apart when one long request pads short ones)
     "target": [("one", "tokens"), *_TARGET_FORMS,
-               *[tuple("gathered" if c == "kv" else c for c in form) for form in _TARGET_FORMS],
-               *[(*("gathered" if c == "kv" else c for c in form), "attn_calls") for form in _TARGET_FORMS]],
+               *[tuple("gathered" if c == "kv" else c for c in form) for form in _TARGET_FORMS]],
     "draft": [
         ("draft_steps", "draft_tokens"),
         ("draft_steps", "draft_tokens", "draft_kv"),
@@ -281,8 +268,6 @@ class StepTimeModel:
                     terms.append((coef, "sum_k", float(getattr(base, name))))
                 elif name == "gathered":  # drafts lengthen contexts by a few slots: taken as the base's
                     terms.append((coef, "const", float(base.gathered_slots())))
-                elif name == "attn_calls":
-                    terms.append((coef, "const", float(base.attention_calls())))
                 elif name in ("attn", "draft_kv"):
                     terms.append((coef, "sum_kctx", float(getattr(base, name))))
                 elif name == "draft_steps":
@@ -343,9 +328,8 @@ class StepTimeModel:
             "key": self.key,
             "parts": {n: {"columns": list(p.columns), "coef": list(p.coef)} for n, p in self.parts.items()},
             "reports": [asdict(r) for r in self.reports],
-            "samples": [{**asdict(s.features), "gathered": s.features.gathered_slots(),
-                         "attn_calls": s.features.attention_calls(), "target_s": s.target_s, "draft_s": s.draft_s,
-                         "overhead_s": s.overhead_s} for s in self.samples],
+            "samples": [{**asdict(s.features), "gathered": s.features.gathered_slots(), "target_s": s.target_s,
+                         "draft_s": s.draft_s, "overhead_s": s.overhead_s} for s in self.samples],
         }
 
     @classmethod
