@@ -4,6 +4,7 @@ synthetic acceptance where the optimum is known."""
 from __future__ import annotations
 
 import itertools
+import json
 import random
 
 import pytest
@@ -257,6 +258,10 @@ def test_step_time_model_survives_a_cache_round_trip(tmp_path):
     assert again is not None and again.predict(f) == pytest.approx(model.predict(f)) and again.key == {"model": "m"}
     (tmp_path / "bad.json").write_text("{not json")
     assert StepTimeModel.load(tmp_path / "bad.json") is None
+    outdated = model.to_json()  # a form naming a feature this version does not have: re-profile, not a crash
+    outdated["parts"]["target"]["columns"][-1] = "attn_calls"
+    (tmp_path / "old.json").write_text(json.dumps(outdated))
+    assert StepTimeModel.load(tmp_path / "old.json") is None
 
 
 def test_online_refit_follows_a_slower_machine():

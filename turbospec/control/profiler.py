@@ -51,8 +51,9 @@ GRIDS = {
 
 
 # Part of every profile's key: a profile measured the earlier way (one prompt shared by all requests, no
-# padded-slot feature) is measured again rather than trusted.
-PROFILER_VERSION = "3"
+# padded-slot feature; or version 3, whose fits could pick an attention-call feature dropped since) is measured
+# again rather than trusted.
+PROFILER_VERSION = "4"
 
 
 class RepeatProposer(Proposer):

@@ -351,6 +351,9 @@ class StepTimeModel:
     @classmethod
     def load(cls, path: Path) -> StepTimeModel | None:
         try:
-            return cls.from_json(json.loads(path.read_text()))
-        except (OSError, ValueError, KeyError, TypeError):
-            return None  # a missing or corrupt cache only costs a re-profile
+            model = cls.from_json(json.loads(path.read_text()))
+            for part in model.parts.values():  # a form from another version may name a feature gone since
+                part.predict(StepFeatures())
+            return model
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None  # a missing, corrupt or outdated cache only costs a re-profile
