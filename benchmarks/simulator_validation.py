@@ -5,11 +5,12 @@
 On smollm2-135m (CPU, the engine's default options but one thread, n-gram speculation with k = 4):
 1. the step-time profile the engine would use (its profile key), reused from the cache or measured
    (`turbospec profile --grid full` equivalent);
-2. before each rate, a calibration run on its own prompts: two requests served one at a time (single-decode
-   steps), then a burst that measures the engine's capacity (the first places the three rates) and large
-   batches. Its steps refit the profile as the engine refits it online, and give the per-step serving
-   overhead the profile does not see (the serving loop around ``engine.step()``); nothing of the validation
-   runs is used to calibrate;
+2. before each rate and once after the last, a calibration run on its own prompts: two requests served one at
+   a time (single-decode steps), then a burst that measures the engine's capacity (the first places the three
+   rates) and large batches. The two calibrations around a rate refit the profile as the engine refits it
+   online (the machine's speed drifts by 20% within minutes here: bracketing estimates it from both sides),
+   and give the per-step serving overhead the profile does not see (the serving loop around
+   ``engine.step()``); nothing of the validation runs is used to calibrate;
 3. real serving at three rates (25%, 50% and 75% of that capacity: at 90% a step-time error of a few percent
    moves the queueing delay by tens of percent, and served steps on this shared machine drift by more than
    that while a run lasts), each on its own ShareGPT prompts,
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -62,6 +64,7 @@ SPEC = {"method": "ngram", "num_speculative_tokens": K}
 MAX_TOKENS = 128
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET = 0.15
+BRACKETED = "replay, bracketed"
 
 
 # --- measuring -----------------------------------------------------------------------------------------------
@@ -166,14 +169,21 @@ def serve(engine: LLMEngine, prompts: list[tuple[str, list[int]]], rate: float, 
 # --- calibration and simulation --------------------------------------------------------------------------------
 
 
+def step_features(row: dict[str, int]) -> StepFeatures:
+    """A logged step's features; fields a later version dropped are ignored, so old results re-simulate."""
+    return StepFeatures(**{k: v for k, v in row.items() if k in StepFeatures.__dataclass_fields__})
+
+
 def refit(steps: dict[str, list], model: StepTimeModel) -> tuple[StepTimeModel, StepOverhead]:
     """The engine's own online learning (StepTimeModel.observe / refit: profile plus recent steps, the profile's
     weight falling as steps arrive), fed with a calibration run's steps; plus the serving loop's mean time
     around engine.step() as a per-step overhead. The profile was measured on a machine shared with others, at
     other moments: this moves it to how the machine runs now, without seeing the run it predicts."""
-    fitted = StepTimeModel.from_json(model.to_json())
+    # a window as long as the calibration, so a bracketing pair (before and after the run) counts both halves
+    fitted = dataclasses.replace(StepTimeModel.from_json(model.to_json()),
+                                 window=max(StepTimeModel.window, len(steps["features"])))
     for f, (target_s, draft_s, overhead_s) in zip(steps["features"], steps["parts"]):
-        fitted.observe(StepSample(StepFeatures(**f), target_s, draft_s, overhead_s))
+        fitted.observe(StepSample(step_features(f), target_s, draft_s, overhead_s))
     fitted.refit()
     loop = [(lp - e) for e, lp in zip(steps["engine_s"], steps["loop_s"]) if lp is not None]
     return fitted, StepOverhead(per_step_s=float(np.mean(loop)) if loop else 0.0)
@@ -183,7 +193,7 @@ def oracle(steps: dict[str, list]) -> tuple[StepTimeModel, StepOverhead]:
     """DIAGNOSTIC, not a prediction: a step-time model fitted (the engine's form selection) on the measured
     run's own steps. Simulating with it isolates what the simulator gets wrong besides step times (batching,
     queueing, acceptance) from what the profile gets wrong."""
-    samples = [StepSample(StepFeatures(**f), *p) for f, p in zip(steps["features"], steps["parts"])]
+    samples = [StepSample(step_features(f), *p) for f, p in zip(steps["features"], steps["parts"])]
     loop = [(lp - e) for e, lp in zip(steps["engine_s"], steps["loop_s"]) if lp is not None]
     return StepTimeModel.fit(samples), StepOverhead(per_step_s=float(np.mean(loop)) if loop else 0.0)
 
@@ -193,7 +203,7 @@ def fit_overhead(steps: dict[str, list], model: StepTimeModel) -> tuple[StepOver
     iteration = scale x predicted + per-step seconds (least squares). The scale absorbs a machine slower than
     when it was profiled (other tenants); the constant absorbs the serving loop. Also splits the difference
     into profile error (engine.step() vs prediction) and loop overhead (iteration vs engine.step())."""
-    rows = [(StepFeatures(**f), e, loop) for f, e, loop in zip(steps["features"], steps["engine_s"], steps["loop_s"])
+    rows = [(step_features(f), e, loop) for f, e, loop in zip(steps["features"], steps["engine_s"], steps["loop_s"])
             if loop is not None]
     pred = np.array([model.predict(f) for f, _, _ in rows])
     loop = np.array([r[2] for r in rows])
@@ -229,7 +239,11 @@ def predictions(data: dict[str, Any], model: StepTimeModel) -> list[dict[str, An
     for run in data["runs"]:
         overhead, detail = fit_overhead(run["calibration_steps"], model)
         refitted, loop_overhead = refit(run["calibration_steps"], model)
-        sims = {"replay, refit": predict(run, StepCost(refitted, loop_overhead), True),
+        sims = {}
+        if "calibration_after_steps" in run:  # runs saved before the bracketing have only the calibration before
+            both = merged_steps([StepLog(**run["calibration_steps"]), StepLog(**run["calibration_after_steps"])])
+            sims[BRACKETED] = predict(run, StepCost(*refit(both, model)), True)
+        sims |= {"replay, refit": predict(run, StepCost(refitted, loop_overhead), True),
                 "rates, refit": predict(run, StepCost(refitted, loop_overhead), False),
                 "replay, scaled": predict(run, StepCost(model, overhead), True),
                 "replay, profile only": predict(run, StepCost(model), True)}
@@ -290,24 +304,34 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, Any], StepTimeModel]:
     runs: list[dict[str, Any]] = []
     capacity = 0.0
     fractions = [float(f) for f in args.fractions.split(",")]
-    for i, fraction in enumerate(fractions):
-        # calibration on its own prompts just before each rate, so a drifting background load is tracked: a few
-        # requests one at a time (served single decodes ran 15-35% over the profile's, which a burst never
-        # shows), then a burst (large batches; the first also measures the capacity)
-        s = args.sequential_requests
+    s = args.sequential_requests
+
+    def calibrate(i: int) -> dict[str, list]:
+        """A few requests one at a time (served single decodes ran 15-35% over the profile's, which a burst never
+        shows), then a burst (large batches); each calibration on its own prompts."""
         alone = [serve(engine, [prompt], math.inf, args.seed)
-                 for prompt in tokenized(engine, s, 4 + len(fractions) * (n + c) + i * s, f"alone{i}")]
+                 for prompt in tokenized(engine, s, 4 + len(fractions) * (n + c) + c + i * s, f"alone{i}")]
         calib = serve(engine, tokenized(engine, c, 4 + i * (n + c), f"calibration{i}"), math.inf, args.seed)
+        nonlocal capacity
         if i == 0:  # capacity: requests per second finished in the first burst, at full batch
             capacity = len(calib.requests) / max(calib.e2el_s)
             print(f"capacity {capacity:.2f} req/s", flush=True)
+        return merged_steps([r.steps for r in alone] + [calib.steps])
+
+    # a calibration before every rate and one after the last: each run is bracketed by two, so the machine's
+    # speed while it ran (other tenants drift it by 20% within minutes here) is estimated from both sides
+    before = calibrate(0)
+    for i, fraction in enumerate(fractions):
         rate = round(fraction * capacity, 3)
         load = list(os.getloadavg())
         run = serve(engine, tokenized(engine, n, 4 + i * (n + c) + c, f"rate{i}"), rate, args.seed + 1 + i)
-        runs.append({**as_json(run), "fraction": fraction, "load": [load[0], os.getloadavg()[0]],
-                     "calibration_steps": merged_steps([r.steps for r in alone] + [calib.steps]),
+        load.append(os.getloadavg()[0])
+        after = calibrate(i + 1)
+        runs.append({**as_json(run), "fraction": fraction, "load": [load[0], load[-1]],
+                     "calibration_steps": before, "calibration_after_steps": after,
                      "diagnostic_steps": asdict(run.steps)})  # to explain errors afterwards; never fitted on
-        print(f"rate {rate} done (load {load[0]:.2f} -> {os.getloadavg()[0]:.2f})", flush=True)
+        print(f"rate {rate} done (load {load[0]:.2f} -> {load[-1]:.2f})", flush=True)
+        before = after
     data = {
         "command": "PYTHONPATH=$PWD python benchmarks/simulator_validation.py " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "machine": machine(),
@@ -385,7 +409,7 @@ def write(result: dict[str, Any], out: Path) -> None:
     profile = Path(result["profile"]["path"])
     if profile.exists():  # the profile the predictions used, kept with them (it lives in a per-user cache)
         shutil.copyfile(profile, out.with_name(out.name + "_profile.json"))
-    primary = "replay, refit"
+    primary = BRACKETED if BRACKETED in result["rates"][0]["predicted"] else "replay, refit"
     lines = [f"# Simulator validation: {result['model']}, n-gram k = {K}, CPU", "",
              f"`{result['command']}` on {result['date']}, {result['machine']['cpu']} ({result['machine']['cores']} "
              f"cores shared with other users; engine threads {result['engine']['threads']}), load average before "
@@ -396,9 +420,10 @@ def write(result: dict[str, Any], out: Path) -> None:
              f"{result['rates'][0]['num_requests']} ShareGPT requests each (own prompts), max_tokens "
              f"{result['max_tokens']}, greedy.", "",
              f"Predicted ({primary}: each request's recorded acceptance; the profile refitted, as the engine refits "
-             "it online, on the steps of a calibration run (two requests one at a time, then a burst) just before "
-             "the rate on other prompts, plus the serving loop's time around engine.step()) vs measured; error = "
-             "predicted / measured - 1; target |error| <= 15%. Other predictions: 'rates' draws acceptance from "
+             "it online, on the steps of the calibration runs (two requests one at a time, then a burst, on other "
+             "prompts) made just before and just after the rate, plus the serving loop's time around "
+             "engine.step()) vs measured; error = predicted / measured - 1; target |error| <= 15%. 'replay, "
+             "refit' uses the calibration before the rate only. Other predictions: 'rates' draws acceptance from "
              "per-position rates instead of replaying; 'scaled' keeps the profile and fits a speed factor and "
              "per-step seconds on the calibration run; 'profile only' uses the profile as measured; 'oracle "
              "step times' is a DIAGNOSTIC, not a prediction: step times fitted on the measured run's own steps, "
