@@ -1,6 +1,6 @@
 """Does ``turbospec simulate`` predict real serving? Measure, then simulate the very same traffic.
 
-    PYTHONPATH=$PWD python benchmarks/simulator_validation.py            # ~10-15 min on 2 CPU cores
+    PYTHONPATH=$PWD python benchmarks/simulator_validation.py            # ~25 min on 2 CPU cores
 
 On smollm2-135m (CPU, the engine's default options but one thread, n-gram speculation with k = 4):
 1. the step-time profile the engine would use (its profile key), reused from the cache or measured
@@ -13,13 +13,15 @@ On smollm2-135m (CPU, the engine's default options but one thread, n-gram specul
    ``engine.step()``); nothing of the validation runs is used to calibrate;
 3. real serving at three rates (25%, 50% and 75% of that capacity: at 90% a step-time error of a few percent
    moves the queueing delay by tens of percent, and served steps on this shared machine drift by more than
-   that while a run lasts), each on its own ShareGPT prompts,
+   that while a run lasts), each rate twice (`--repeats`: up the rates, then down), every run on its own
+   ShareGPT prompts,
    through the server's own ``AsyncEngine`` (its engine thread and event loop, as ``turbospec serve`` runs
    it, without the HTTP layer) with Poisson arrivals from ``bench serve``'s generator; it records every
    request's arrival, first token and finish, its prompt and output lengths, and the acceptance trace
    (``engine.verify_trace``, plus a (request, 0, 0) record for each decoding step that verified nothing);
 4. the simulator on the same arrivals, lengths and acceptance trace, with the profile and the calibrated
-   overhead; predicted vs measured mean / p99 of E2EL and TTFT per rate.
+   overhead; predicted vs measured mean / p99 of E2EL and TTFT per rate, over all of its runs' requests,
+   next to how far the rate's own measured runs differ (the machine's reproducibility).
 
 Writes benchmarks/results/simulator_validation.{json,md,png}.
 """
@@ -221,7 +223,9 @@ def predict(run: dict[str, Any], cost: StepCost, replay: bool, seed: int = 0) ->
     acceptance = TraceReplay(trace, fallback) if replay else fallback
     requests = [SimRequest(**q) for q in run["requests"]]
     result = simulate(requests, cost, acceptance, Deployment(policy=SpecPolicy("fixed", K), seed=seed))
-    return result.summary
+    by_id = {t.request_id: t for t in result.times}
+    times = [by_id[q.request_id] for q in requests]  # in the run's request order, to pool with other runs
+    return {**result.summary, "ttft_s": [t.ttft_s for t in times], "e2el_s": [t.e2el_s for t in times]}
 
 
 def measured_summary(run: dict[str, Any]) -> dict[str, Any]:
@@ -250,11 +254,33 @@ def predictions(data: dict[str, Any], model: StepTimeModel) -> list[dict[str, An
         if "diagnostic_steps" in run:
             sims["replay, oracle step times (diagnostic)"] = predict(run, StepCost(*oracle(run["diagnostic_steps"])),
                                                                      True)
-        rows.append({"rate": run["rate"], "fraction": run["fraction"], "load": run["load"],
+        rows.append({"rate": run["rate"], "fraction": run["fraction"], "repeat": run.get("repeat", 0),
+                     "load": run["load"],
                      "calibration": {"overhead": asdict(overhead), **detail}, "measured": measured_summary(run),
                      "predicted": sims, "num_requests": len(run["requests"]), "wall_s": run["wall_s"],
                      "acceptance": asdict(rates_from_trace([tuple(r) for r in run["trace"]]))})
     return rows
+
+
+def latency(ttft_s: list[float], e2el_s: list[float]) -> dict[str, dict[str, float | None]]:
+    return {"ttft_ms": summarize([t * 1e3 for t in ttft_s]), "e2el_ms": summarize([t * 1e3 for t in e2el_s])}
+
+
+def pooled(data: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per rate, every run of it together: measured and predicted latencies over all their requests, and each
+    run's own measured numbers (how far a measurement repeats)."""
+    out = []
+    for fraction in dict.fromkeys(r["fraction"] for r in rows):
+        idx = [i for i, r in enumerate(rows) if r["fraction"] == fraction]
+        runs = [data["runs"][i] for i in idx]
+        measured = latency(sum((r["ttft_s"] for r in runs), []), sum((r["e2el_s"] for r in runs), []))
+        predicted = {name: latency(sum((rows[i]["predicted"][name]["ttft_s"] for i in idx), []),
+                                   sum((rows[i]["predicted"][name]["e2el_s"] for i in idx), []))
+                     for name in rows[idx[0]]["predicted"]}
+        out.append({"fraction": fraction, "rates": [rows[i]["rate"] for i in idx],
+                    "num_requests": sum(len(r["requests"]) for r in runs), "measured": measured,
+                    "per_run_measured": [latency(r["ttft_s"], r["e2el_s"]) for r in runs], "predicted": predicted})
+    return out
 
 
 # --- the run ---------------------------------------------------------------------------------------------------
@@ -304,31 +330,39 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, Any], StepTimeModel]:
     runs: list[dict[str, Any]] = []
     capacity = 0.0
     fractions = [float(f) for f in args.fractions.split(",")]
+    # the rates in order, then (--repeats 2) in reverse order: a drift over the session hits the two runs of a
+    # rate from both ends, and the pair measures how far one measurement repeats on this machine
+    schedule = [f for r in range(args.repeats) for f in (fractions if r % 2 == 0 else fractions[::-1])]
     s = args.sequential_requests
+    skip = 4  # ShareGPT prompts used so far: every served request has its own prompt (no prefix-cache hits)
+
+    def prompts(count: int, tag: str) -> list[tuple[str, list[int]]]:
+        nonlocal skip
+        skip += count
+        return tokenized(engine, count, skip - count, tag)
 
     def calibrate(i: int) -> dict[str, list]:
         """A few requests one at a time (served single decodes ran 15-35% over the profile's, which a burst never
-        shows), then a burst (large batches); each calibration on its own prompts."""
-        alone = [serve(engine, [prompt], math.inf, args.seed)
-                 for prompt in tokenized(engine, s, 4 + len(fractions) * (n + c) + c + i * s, f"alone{i}")]
-        calib = serve(engine, tokenized(engine, c, 4 + i * (n + c), f"calibration{i}"), math.inf, args.seed)
+        shows), then a burst (large batches)."""
+        alone = [serve(engine, [prompt], math.inf, args.seed) for prompt in prompts(s, f"alone{i}")]
+        calib = serve(engine, prompts(c, f"calibration{i}"), math.inf, args.seed)
         nonlocal capacity
         if i == 0:  # capacity: requests per second finished in the first burst, at full batch
             capacity = len(calib.requests) / max(calib.e2el_s)
             print(f"capacity {capacity:.2f} req/s", flush=True)
         return merged_steps([r.steps for r in alone] + [calib.steps])
 
-    # a calibration before every rate and one after the last: each run is bracketed by two, so the machine's
+    # a calibration before every run and one after the last: each run is bracketed by two, so the machine's
     # speed while it ran (other tenants drift it by 20% within minutes here) is estimated from both sides
     before = calibrate(0)
-    for i, fraction in enumerate(fractions):
+    for i, fraction in enumerate(schedule):
         rate = round(fraction * capacity, 3)
         load = list(os.getloadavg())
-        run = serve(engine, tokenized(engine, n, 4 + i * (n + c) + c, f"rate{i}"), rate, args.seed + 1 + i)
+        run = serve(engine, prompts(n, f"rate{i}"), rate, args.seed + 1 + i)
         load.append(os.getloadavg()[0])
         after = calibrate(i + 1)
-        runs.append({**as_json(run), "fraction": fraction, "load": [load[0], load[-1]],
-                     "calibration_steps": before, "calibration_after_steps": after,
+        runs.append({**as_json(run), "fraction": fraction, "repeat": schedule[:i].count(fraction),
+                     "load": [load[0], load[-1]], "calibration_steps": before, "calibration_after_steps": after,
                      "diagnostic_steps": asdict(run.steps)})  # to explain errors afterwards; never fitted on
         print(f"rate {rate} done (load {load[0]:.2f} -> {load[-1]:.2f})", flush=True)
         before = after
@@ -352,6 +386,8 @@ def main() -> int:
     p.add_argument("--sequential-requests", type=int, default=2,
                    help="requests served one at a time at the start of each calibration (single-decode steps)")
     p.add_argument("--fractions", default="0.25,0.5,0.75", help="rates as fractions of the measured capacity")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="runs per rate (each on its own prompts; the schedule goes up the rates, then down)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-wait", type=float, default=600.0, help="seconds to wait for a quiet machine first")
     p.add_argument("--num-threads", type=int, default=1,
@@ -373,9 +409,11 @@ def main() -> int:
         data, model = measure(args)
         data["measure_seconds"] = time.time() - t0
     data["rates"] = predictions(data, model)
+    data["pooled"] = pooled(data, data["rates"])
     for row in data["rates"]:
-        m, s = row["measured"]["e2el_ms"], row["predicted"]["replay, refit"]["e2el_ms"]
-        print(f"rate {row['rate']}: E2EL mean {m['mean']:.0f} vs {s['mean']:.0f} ms, p99 {m['p99']:.0f} vs "
+        m, s = row["measured"]["e2el_ms"], row["predicted"][BRACKETED if BRACKETED in row["predicted"] else
+                                                            "replay, refit"]["e2el_ms"]
+        print(f"{_label(row)}: E2EL mean {m['mean']:.0f} vs {s['mean']:.0f} ms, p99 {m['p99']:.0f} vs "
               f"{s['p99']:.0f}", flush=True)
     write(data, Path(args.out))
     return 0
@@ -403,6 +441,10 @@ def _rounded(value: Any) -> Any:
     return value
 
 
+def _label(row: dict[str, Any]) -> str:
+    return f"rate {row['rate']}" + (f", run {row['repeat'] + 1}" if "repeat" in row else "")
+
+
 def write(result: dict[str, Any], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(_rounded(result), separators=(",", ":")))
@@ -416,7 +458,7 @@ def write(result: dict[str, Any], out: Path) -> None:
              f"{result['load_average_before'][0]:.2f}. Profile: `{Path(result['profile']['path']).name}` "
              f"({'cached' if result['profile']['cached'] else 'measured in this run'}). Capacity from the first "
              f"calibration burst: {result['capacity_req_s']:.2f} req/s; rates at "
-             + ", ".join(f"{r['fraction']:.0%}" for r in result["rates"]) + " of it, "
+             + ", ".join(f"{f:.0%}" for f in dict.fromkeys(r["fraction"] for r in result["rates"])) + " of it, "
              f"{result['rates'][0]['num_requests']} ShareGPT requests each (own prompts), max_tokens "
              f"{result['max_tokens']}, greedy.", "",
              f"Predicted ({primary}: each request's recorded acceptance; the profile refitted, as the engine refits "
@@ -431,26 +473,52 @@ def write(result: dict[str, Any], out: Path) -> None:
              "model's error from the rest of the simulator's.", "",
              "| rate (req/s) | load avg (start -> end) | metric | measured ms | predicted ms | error |",
              "|---|---|---|---|---|---|"]
-    for row in result["rates"]:
-        m, s = row["measured"], row["predicted"][primary]
-        for metric in ("e2el_ms", "ttft_ms"):
-            for stat in ("mean", "p99"):
-                e = _err(s[metric][stat], m[metric][stat])
-                flag = "" if abs(e) <= TARGET else " **miss**"
-                lines.append(f"| {row['rate']} | {row['load'][0]:.2f} -> {row['load'][1]:.2f} | "
-                             f"{metric[:-3].upper()} {stat} | {m[metric][stat]:.0f} | {s[metric][stat]:.0f} | "
-                             f"{e * 100:+.1f}%{flag} |")
+    pools = result.get("pooled") or []
+    if pools and len(pools) < len(result["rates"]):  # several runs per rate: the pooled comparison leads
+        lines[-2:] = [f"Each rate was run {len(result['rates']) // len(pools)} times (rates going up, then down, "
+                      "each run on its own prompts and bracketed by calibrations); measured and predicted are "
+                      "over all of a rate's requests together. 'Runs' gives each run's own measured number, and "
+                      "'repeat' how far the last differs from the first: the machine's own reproducibility, "
+                      "against which the 15% target should be read.", "",
+                      "| rate (req/s) | metric | measured ms | predicted ms | error | runs (measured ms) | repeat |",
+                      "|---|---|---|---|---|---|---|"]
+        for pool in pools:
+            m, pr = pool["measured"], pool["predicted"][primary]
+            for metric in ("e2el_ms", "ttft_ms"):
+                for stat in ("mean", "p99"):
+                    e = _err(pr[metric][stat], m[metric][stat])
+                    each = [r[metric][stat] for r in pool["per_run_measured"]]
+                    lines.append(f"| {pool['rates'][0]} | {metric[:-3].upper()} {stat} | {m[metric][stat]:.0f} | "
+                                 f"{pr[metric][stat]:.0f} | {e * 100:+.1f}%{'' if abs(e) <= TARGET else ' **miss**'} "
+                                 f"| {' / '.join(f'{v:.0f}' for v in each)} | {_err(each[-1], each[0]) * 100:+.0f}% |")
+        lines += ["", "Each run on its own (rate, run, load average start -> end: E2EL mean / p99, TTFT mean / p99 "
+                  "error of the same prediction):", ""]
+        for row in result["rates"]:
+            m, pr = row["measured"], row["predicted"][primary]
+            lines.append(f"- {row['rate']}, run {row['repeat'] + 1}, load {row['load'][0]:.2f} -> {row['load'][1]:.2f}: "
+                         + " / ".join(f"{_err(pr[x][st], m[x][st]) * 100:+.0f}%"
+                                      for x in ("e2el_ms", "ttft_ms") for st in ("mean", "p99")))
+    else:
+        for row in result["rates"]:
+            m, pr = row["measured"], row["predicted"][primary]
+            for metric in ("e2el_ms", "ttft_ms"):
+                for stat in ("mean", "p99"):
+                    e = _err(pr[metric][stat], m[metric][stat])
+                    flag = "" if abs(e) <= TARGET else " **miss**"
+                    lines.append(f"| {row['rate']} | {row['load'][0]:.2f} -> {row['load'][1]:.2f} | "
+                                 f"{metric[:-3].upper()} {stat} | {m[metric][stat]:.0f} | {pr[metric][stat]:.0f} | "
+                                 f"{e * 100:+.1f}%{flag} |")
     lines += ["", "All predictions, E2EL mean / p99 and TTFT mean / p99 error:", ""]
     for row in result["rates"]:
         m = row["measured"]
         parts = [f"{name}: " + " / ".join(f"{_err(s[x][st], m[x][st]) * 100:+.0f}%"
                                           for x in ("e2el_ms", "ttft_ms") for st in ("mean", "p99"))
                  for name, s in row["predicted"].items()]
-        lines.append(f"- rate {row['rate']}: " + "; ".join(parts))
+        lines.append(f"- {_label(row)}: " + "; ".join(parts))
     lines += ["", "Calibration detail per rate (mean served loop / engine.step() / profile prediction, s):", ""]
     for row in result["rates"]:
         c = row["calibration"]
-        lines.append(f"- rate {row['rate']}: {c['mean_loop_s']:.3f} / {c['mean_engine_step_s']:.3f} / "
+        lines.append(f"- {_label(row)}: {c['mean_loop_s']:.3f} / {c['mean_engine_step_s']:.3f} / "
                      f"{c['mean_predicted_s']:.3f} over {c['steps']} steps; 'scaled' fit: "
                      f"x{c['overhead']['scale']:.2f} {c['overhead']['per_step_s'] * 1e3:+.1f} ms")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -461,13 +529,15 @@ def write(result: dict[str, Any], out: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    rates = [r["rate"] for r in result["rates"]]
+    # one point per rate: its runs pooled when it was run several times
+    points = [(p["rates"][0], p["measured"], p["predicted"][primary]) for p in pools] or \
+        [(r["rate"], r["measured"], r["predicted"][primary]) for r in result["rates"]]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric in zip(axes, ("e2el_ms", "ttft_ms")):
         for stat, style in (("mean", "o"), ("p99", "s")):
-            ax.plot(rates, [r["measured"][metric][stat] for r in result["rates"]], style + "-",
+            ax.plot([x for x, _, _ in points], [m[metric][stat] for _, m, _ in points], style + "-",
                     label=f"measured {stat}")
-            ax.plot(rates, [r["predicted"][primary][metric][stat] for r in result["rates"]], style + "--",
+            ax.plot([x for x, _, _ in points], [pr[metric][stat] for _, _, pr in points], style + "--",
                     label=f"simulated {stat}")
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(metric.replace("_ms", " (ms)").upper())
