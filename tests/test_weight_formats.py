@@ -106,6 +106,12 @@ def test_compiled_int8_kernel_and_fallback_agree():
     for rows in range(1, 6):  # 1..4 and a remainder block
         got = module.grouped_int8_mm(x[:rows], q, s)
         assert torch.allclose(got, want[:rows], rtol=1e-5, atol=1e-4)
+    # 7 groups: fewer than four rows take groups in turn on several accumulators, with a remainder left over
+    q7 = torch.randint(-128, 128, (40, 112), dtype=torch.int8, generator=gen)
+    s7, x7 = torch.rand(40, 7, generator=gen), torch.randn(3, 112, generator=gen)
+    want7 = kernels.grouped_int8_mm_reference(x7, q7, s7)
+    for rows in range(1, 4):
+        assert torch.allclose(module.grouped_int8_mm(x7[:rows], q7, s7), want7[:rows], rtol=1e-5, atol=1e-4)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         module.grouped_int8_mm(torch.randn(1, 90), q[:, :90].contiguous(), s[:, :5].contiguous())
     # a registered torch operator: the profiler names it (a pybind function would be invisible there)

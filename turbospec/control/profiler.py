@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
+from .. import kernels
 from ..models.registry import turbospec_home
 from ..request import Request
 from ..sampling_params import SamplingParams
@@ -90,6 +91,7 @@ def profile_key(engine: LLMEngine) -> dict[str, str]:
     if weights is not None and weights.packed_linears:  # packed kernels: other step times, and a kink at the
         # rows where each linear switches to dense (absent for dense models: old caches stay valid)
         key["weights"] = weights.format + ":" + ",".join(f"{s}={r}" for s, r in sorted(weights.crossover.items()))
+        key["kernels"] = kernels.build_id()  # our int8 kernel's version (or its fallback) sets step times too
     if engine.config.tensor_parallel_size > 1:  # other processes, collectives in every layer
         key["tensor_parallel"] = str(engine.config.tensor_parallel_size)
     if engine.config.deterministic:  # other kernels, other step times (absent otherwise: old caches stay valid)

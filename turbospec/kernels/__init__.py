@@ -26,16 +26,26 @@ _module: Any = None
 _failure: str | None = None
 
 
+def _digest() -> str:
+    """The build's identity: its source, torch and the CPU capability it was compiled for."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return hashlib.sha256(SOURCE.read_bytes() + f"{torch.__version__}:{capability}".encode()).hexdigest()[:12]
+
+
 def _build_dir() -> Path:
     """Next to the source when writable (one build per checkout, whatever TURBOSPEC_HOME a process uses),
     else under $TURBOSPEC_HOME/kernels."""
     from ..models.registry import turbospec_home
 
-    capability = torch.backends.cpu.get_cpu_capability()
-    digest = hashlib.sha256(SOURCE.read_bytes() + f"{torch.__version__}:{capability}".encode()).hexdigest()[:12]
     local = SOURCE.parent / "_build"
     root = local if os.access(SOURCE.parent, os.W_OK) else turbospec_home() / "kernels"
-    return root / f"grouped_int8-{digest}"
+    return root / f"grouped_int8-{_digest()}"
+
+
+def build_id() -> str:
+    """Which kernel runs: the compiled build's digest, or 'fallback'. Part of the keys of what is measured with
+    it (crossover rows, step-time profiles), so a changed kernel is measured again."""
+    return _digest() if load() is not None else "fallback"
 
 
 def _flags() -> list[str]:

@@ -96,7 +96,7 @@ def cache_path(dtype: torch.dtype) -> Path:
     from ..control.profiler import hardware_name  # here: the profiler imports the engine, which imports us
     from .registry import turbospec_home
 
-    compiled = kernels.load() is not None  # the int8 fallback has other timings
-    key = f"{hardware_name('cpu')}|{torch.get_num_threads()}|{torch.__version__}|{dtype}|{compiled}"
+    kernel = kernels.build_id()  # the int8 fallback, or another version of the kernel, has other timings
+    key = f"{hardware_name('cpu')}|{torch.get_num_threads()}|{torch.__version__}|{dtype}|{kernel}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return turbospec_home() / "kernels" / f"crossover-{str(dtype).removeprefix('torch.')}-{digest}.json"
