@@ -495,9 +495,10 @@ def write(result: dict[str, Any], out: Path) -> None:
                   "error of the same prediction):", ""]
         for row in result["rates"]:
             m, pr = row["measured"], row["predicted"][primary]
-            lines.append(f"- {row['rate']}, run {row['repeat'] + 1}, load {row['load'][0]:.2f} -> {row['load'][1]:.2f}: "
-                         + " / ".join(f"{_err(pr[x][st], m[x][st]) * 100:+.0f}%"
-                                      for x in ("e2el_ms", "ttft_ms") for st in ("mean", "p99")))
+            load = f"load {row['load'][0]:.2f} -> {row['load'][1]:.2f}"
+            errors = " / ".join(f"{_err(pr[x][st], m[x][st]) * 100:+.0f}%"
+                                for x in ("e2el_ms", "ttft_ms") for st in ("mean", "p99"))
+            lines.append(f"- {row['rate']}, run {row['repeat'] + 1}, {load}: {errors}")
     else:
         for row in result["rates"]:
             m, pr = row["measured"], row["predicted"][primary]
