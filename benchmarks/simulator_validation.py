@@ -399,6 +399,8 @@ def main() -> int:
                    help="skip measuring: simulate the runs saved in this results file again (same profile)")
     p.add_argument("--out", default=str(RESULTS / "simulator_validation"))
     args = p.parse_args()
+    if args.repeats < 1 or args.num_requests < 1 or args.calibration_requests < 1:
+        p.error("--repeats, --num-requests and --calibration-requests must be at least 1")
     t0 = time.time()
     if args.resimulate:
         data = json.loads(Path(args.resimulate).read_text())
