@@ -1,16 +1,17 @@
 """Does ``turbospec simulate`` predict real serving? Measure, then simulate the very same traffic.
 
-    PYTHONPATH=$PWD python benchmarks/simulator_validation.py            # ~25 min on 2 CPU cores
+    PYTHONPATH=$PWD python benchmarks/simulator_validation.py            # ~30 min on 2 CPU cores
 
 On smollm2-135m (CPU, the engine's default options but one thread, n-gram speculation with k = 4):
 1. the step-time profile the engine would use (its profile key), reused from the cache or measured
    (`turbospec profile --grid full` equivalent);
 2. before each rate and once after the last, a calibration run on its own prompts: two requests served one at
    a time (single-decode steps), then a burst that measures the engine's capacity (the first places the three
-   rates) and large batches. The two calibrations around a rate refit the profile as the engine refits it
-   online (the machine's speed drifts by 20% within minutes here: bracketing estimates it from both sides),
-   and give the per-step serving overhead the profile does not see (the serving loop around
-   ``engine.step()``); nothing of the validation runs is used to calibrate;
+   rates) and large batches, then 12 requests at half the capacity (one prompt's prefill among decodes).
+   The two calibrations around a rate refit the profile as the engine refits it online (the machine's speed
+   drifts by 20% within minutes here: bracketing estimates it from both sides), and give the per-step
+   serving overhead the profile does not see (the serving loop around ``engine.step()``); nothing of the
+   validation runs is used to calibrate;
 3. real serving at three rates (25%, 50% and 75% of that capacity: at 90% a step-time error of a few percent
    moves the queueing delay by tens of percent, and served steps on this shared machine drift by more than
    that while a run lasts), each rate twice (`--repeats`: up the rates, then down), every run on its own
@@ -343,14 +344,19 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, Any], StepTimeModel]:
 
     def calibrate(i: int) -> dict[str, list]:
         """A few requests one at a time (served single decodes ran 15-35% over the profile's, which a burst never
-        shows), then a burst (large batches)."""
+        shows), then a burst (large batches), then a few at half the capacity (steps where one prompt's prefill
+        chunk rides with decodes, as in serving: a burst's prefill steps are many prompts at once)."""
         alone = [serve(engine, [prompt], math.inf, args.seed) for prompt in prompts(s, f"alone{i}")]
         calib = serve(engine, prompts(c, f"calibration{i}"), math.inf, args.seed)
         nonlocal capacity
         if i == 0:  # capacity: requests per second finished in the first burst, at full batch
             capacity = len(calib.requests) / max(calib.e2el_s)
             print(f"capacity {capacity:.2f} req/s", flush=True)
-        return merged_steps([r.steps for r in alone] + [calib.steps])
+        logs = [r.steps for r in alone] + [calib.steps]
+        if args.paced_requests:
+            logs.append(serve(engine, prompts(args.paced_requests, f"paced{i}"), 0.5 * capacity,
+                              args.seed + 1000 + i).steps)
+        return merged_steps(logs)
 
     # a calibration before every run and one after the last: each run is bracketed by two, so the machine's
     # speed while it ran (other tenants drift it by 20% within minutes here) is estimated from both sides
@@ -385,6 +391,8 @@ def main() -> int:
     p.add_argument("--calibration-requests", type=int, default=16, help="requests per calibration burst")
     p.add_argument("--sequential-requests", type=int, default=2,
                    help="requests served one at a time at the start of each calibration (single-decode steps)")
+    p.add_argument("--paced-requests", type=int, default=12,
+                   help="requests at half the capacity at the end of each calibration (0: none)")
     p.add_argument("--fractions", default="0.25,0.5,0.75", help="rates as fractions of the measured capacity")
     p.add_argument("--repeats", type=int, default=2,
                    help="runs per rate (each on its own prompts; the schedule goes up the rates, then down)")
@@ -399,8 +407,9 @@ def main() -> int:
                    help="skip measuring: simulate the runs saved in this results file again (same profile)")
     p.add_argument("--out", default=str(RESULTS / "simulator_validation"))
     args = p.parse_args()
-    if args.repeats < 1 or args.num_requests < 1 or args.calibration_requests < 1:
-        p.error("--repeats, --num-requests and --calibration-requests must be at least 1")
+    if args.repeats < 1 or args.num_requests < 1 or args.calibration_requests < 1 or args.paced_requests < 0:
+        p.error("--repeats, --num-requests and --calibration-requests must be at least 1, --paced-requests at "
+                "least 0")
     t0 = time.time()
     if args.resimulate:
         data = json.loads(Path(args.resimulate).read_text())
