@@ -28,9 +28,9 @@ from tqdm import tqdm
 from turbospec import attention_groups
 from turbospec.attention import build_metadata, paged_attention
 from turbospec.bench.machine import benchmark_meta, save_results
+from turbospec.bench.timing import decode_step_ms
 from turbospec.config import EngineConfig
 from turbospec.engine import LLMEngine
-from turbospec.sampling_params import SamplingParams
 
 OUT = Path(__file__).resolve().parent / "results" / "attention_groups"
 COMPOSITIONS = {  # name -> context lengths of the decoding requests
@@ -67,22 +67,6 @@ def kernel_cost(engine: LLMEngine, repeats: int) -> dict[str, float]:
     c1, c0 = np.polyfit(lengths, times, 1)
     return {"lengths": lengths, "seconds": times, "per_call_us": c0 * 1e6, "per_slot_ns": c1 * 1e9,
             "break_even_slots": c0 / c1}
-
-
-def decode_step_ms(engine: LLMEngine, contexts: list[int], rng: random.Random, steps: int) -> float:
-    vocab = engine.model_config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    ids = [engine.add_request([rng.randrange(vocab) for _ in range(n)], params) for n in contexts]
-    while any(engine.requests[r].is_prefilling or engine.requests[r].num_computed_tokens == 0 for r in ids):
-        engine.step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    for r in ids:
-        engine.abort_request(r)
-    return statistics.median(times[2:]) * 1e3
 
 
 def main() -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -33,21 +34,12 @@ def worker(source: str, threads: int, steps: int) -> dict:
     import torch
 
     from turbospec import kernels
+    from turbospec.models.crossover import median_ms
 
     torch.set_num_threads(threads)
     kernels.SOURCE = Path(source)  # the build directory is keyed by the source's hash
     if kernels.load() is None:
         raise SystemExit(f"kernel build failed: {kernels.failure()}")
-
-    def median_ms(fn, reps: int) -> float:
-        fn()
-        fn()
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times) * 1e3
 
     gen = torch.Generator().manual_seed(0)
     op: dict[str, float] = {}
@@ -58,20 +50,13 @@ def worker(source: str, threads: int, steps: int) -> dict:
             x = torch.randn(rows, k, generator=gen)
             op[f"{n}x{k} rows {rows}"] = median_ms(lambda: kernels.grouped_int8_mm(x, q, scale), 9 if n > 10**5 else 41)
 
+    from turbospec.bench.timing import decode_step_ms
     from turbospec.config import EngineConfig
     from turbospec.engine import LLMEngine
-    from turbospec.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(MODEL, num_threads=threads), progress=False)
-    engine.add_request(list(range(1000, 1200)), SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True))
-    for _ in range(4):  # prefill and warm-up
-        engine.step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    return {"op_ms": op, "decode_step_ms": statistics.median(times) * 1e3}
+    step_ms = decode_step_ms(engine, [200], random.Random(0), steps)
+    return {"op_ms": op, "decode_step_ms": step_ms}
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ from .packed import PackedWeight
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 
 
-def _median_ms(fn, repeats: int) -> float:
+def median_ms(fn, repeats: int) -> float:
     fn()  # warm-up: first calls pay for allocation and thread start
     times = []
     for _ in range(repeats):
@@ -40,8 +40,8 @@ def measure(packed: PackedWeight, dense: torch.Tensor, repeats: int = 5) -> dict
     losses = 0
     for rows in ROWS:
         x = torch.randn(rows, dense.shape[1], generator=gen).to(dense.dtype)
-        p = _median_ms(lambda: packed.mm(x), repeats)
-        d = _median_ms(lambda: F.linear(x, dense), repeats)
+        p = median_ms(lambda: packed.mm(x), repeats)
+        d = median_ms(lambda: F.linear(x, dense), repeats)
         out[rows] = (p, d)
         losses += p >= d
         if losses >= 2:
