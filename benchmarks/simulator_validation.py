@@ -58,7 +58,7 @@ from turbospec.server.async_engine import AsyncEngine
 from turbospec.sim.acceptance import TraceRecord, TraceReplay, rates_from_trace
 from turbospec.sim.replica import SpecPolicy
 from turbospec.sim.simulator import Deployment, simulate
-from turbospec.sim.step_cost import StepCost, StepOverhead
+from turbospec.sim.step_cost import StepCost, StepOverhead, mean_level
 from turbospec.sim.workload import SimRequest
 
 MODEL = "smollm2-135m"
@@ -68,6 +68,7 @@ MAX_TOKENS = 128
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET = 0.15
 BRACKETED = "replay, bracketed"
+UNLEVELLED = "replay, bracketed, no mean level"
 
 
 # --- measuring -----------------------------------------------------------------------------------------------
@@ -177,28 +178,40 @@ def step_features(row: dict[str, int]) -> StepFeatures:
     return StepFeatures(**{k: v for k, v in row.items() if k in StepFeatures.__dataclass_fields__})
 
 
-def refit(steps: dict[str, list], model: StepTimeModel) -> tuple[StepTimeModel, StepOverhead]:
+def samples_of(steps: dict[str, list]) -> list[StepSample]:
+    return [StepSample(step_features(f), *p) for f, p in zip(steps["features"], steps["parts"])]
+
+
+def loop_overhead(steps: dict[str, list], level: float = 1.0) -> StepOverhead:
+    """The serving loop's mean time around engine.step() as a per-step overhead, and the model's mean level."""
+    loop = [(lp - e) for e, lp in zip(steps["engine_s"], steps["loop_s"]) if lp is not None]
+    return StepOverhead(per_step_s=float(np.mean(loop)) if loop else 0.0, scale=level)
+
+
+def refit(steps: dict[str, list], model: StepTimeModel, level: bool = True) -> tuple[StepTimeModel, StepOverhead]:
     """The engine's own online learning (StepTimeModel.observe / refit: profile plus recent steps, the profile's
     weight falling as steps arrive), fed with a calibration run's steps; plus the serving loop's mean time
-    around engine.step() as a per-step overhead. The profile was measured on a machine shared with others, at
-    other moments: this moves it to how the machine runs now, without seeing the run it predicts."""
+    around engine.step() as a per-step overhead, and (`level`) the factor that makes the refitted model right
+    on average over the calibration's steps (sim/step_cost.mean_level: the fit minimises relative error, a
+    latency is a sum). The profile was measured on a machine shared with others, at other moments: this moves
+    it to how the machine runs now, without seeing the run it predicts."""
     # a window as long as the calibration, so a bracketing pair (before and after the run) counts both halves
     fitted = dataclasses.replace(StepTimeModel.from_json(model.to_json()),
                                  window=max(StepTimeModel.window, len(steps["features"])))
-    for f, (target_s, draft_s, overhead_s) in zip(steps["features"], steps["parts"]):
-        fitted.observe(StepSample(step_features(f), target_s, draft_s, overhead_s))
+    samples = samples_of(steps)
+    for sample in samples:
+        fitted.observe(sample)
     fitted.refit()
-    loop = [(lp - e) for e, lp in zip(steps["engine_s"], steps["loop_s"]) if lp is not None]
-    return fitted, StepOverhead(per_step_s=float(np.mean(loop)) if loop else 0.0)
+    return fitted, loop_overhead(steps, mean_level(fitted, samples) if level else 1.0)
 
 
 def oracle(steps: dict[str, list]) -> tuple[StepTimeModel, StepOverhead]:
     """DIAGNOSTIC, not a prediction: a step-time model fitted (the engine's form selection) on the measured
-    run's own steps. Simulating with it isolates what the simulator gets wrong besides step times (batching,
-    queueing, acceptance) from what the profile gets wrong."""
-    samples = [StepSample(step_features(f), *p) for f, p in zip(steps["features"], steps["parts"])]
-    loop = [(lp - e) for e, lp in zip(steps["engine_s"], steps["loop_s"]) if lp is not None]
-    return StepTimeModel.fit(samples), StepOverhead(per_step_s=float(np.mean(loop)) if loop else 0.0)
+    run's own steps, at its mean level. Simulating with it isolates what the simulator gets wrong besides step
+    times (batching, queueing, acceptance) from what the profile gets wrong."""
+    samples = samples_of(steps)
+    fitted = StepTimeModel.fit(samples)
+    return fitted, loop_overhead(steps, mean_level(fitted, samples))
 
 
 def fit_overhead(steps: dict[str, list], model: StepTimeModel) -> tuple[StepOverhead, dict[str, float]]:
@@ -243,13 +256,15 @@ def predictions(data: dict[str, Any], model: StepTimeModel) -> list[dict[str, An
     rows = []
     for run in data["runs"]:
         overhead, detail = fit_overhead(run["calibration_steps"], model)
-        refitted, loop_overhead = refit(run["calibration_steps"], model)
+        refitted = StepCost(*refit(run["calibration_steps"], model))
         sims = {}
         if "calibration_after_steps" in run:  # runs saved before the bracketing have only the calibration before
             both = merged_steps([StepLog(**run["calibration_steps"]), StepLog(**run["calibration_after_steps"])])
             sims[BRACKETED] = predict(run, StepCost(*refit(both, model)), True)
-        sims |= {"replay, refit": predict(run, StepCost(refitted, loop_overhead), True),
-                "rates, refit": predict(run, StepCost(refitted, loop_overhead), False),
+            # the primary prediction until 2026-12-01: the fit's own (relative-error) level, no mean correction
+            sims[UNLEVELLED] = predict(run, StepCost(*refit(both, model, level=False)), True)
+        sims |= {"replay, refit": predict(run, refitted, True),
+                "rates, refit": predict(run, refitted, False),
                 "replay, scaled": predict(run, StepCost(model, overhead), True),
                 "replay, profile only": predict(run, StepCost(model), True)}
         if "diagnostic_steps" in run:

@@ -12,11 +12,19 @@ import pytest
 
 from turbospec.cli import main
 from turbospec.control.controller import base_step
-from turbospec.control.step_time import LinearPart, StepFeatures, StepTimeModel
+from turbospec.control.step_time import LinearPart, StepFeatures, StepSample, StepTimeModel
 from turbospec.sim.acceptance import Outcome, PositionRates, TraceReplay, rates_from_trace
 from turbospec.sim.replica import SpecPolicy
 from turbospec.sim.simulator import Deployment, simulate
-from turbospec.sim.step_cost import H200, LLAMA3_8B, RooflineAssumptions, StepCost, StepOverhead, roofline_model
+from turbospec.sim.step_cost import (
+    H200,
+    LLAMA3_8B,
+    RooflineAssumptions,
+    StepCost,
+    StepOverhead,
+    mean_level,
+    roofline_model,
+)
 from turbospec.sim.workload import SimRequest, fixed_lengths, with_arrivals
 
 
@@ -61,6 +69,24 @@ def test_step_time_follows_the_profile_and_the_overhead():
     decode = 0.01 + 0.001 * 1 + 0.002 + 0.0005
     assert res.times[0].ttft_s == pytest.approx(prefill)
     assert res.times[0].e2el_s == pytest.approx(prefill + decode)
+
+
+def test_mean_level_makes_a_relative_error_fit_right_on_average():
+    # steps of 1-16 tokens at 10 ms + 1 ms/token, every tenth one slowed 3x (another tenant): right-skewed noise
+    rng = np.random.default_rng(0)
+    samples = []
+    for i in range(400):
+        f = StepFeatures(batch=1, tokens=int(rng.integers(1, 17)), kv=100, attn=100)
+        samples.append(StepSample(f, (0.010 + 0.001 * f.tokens) * (3.0 if i % 10 == 0 else 1.0), 0.0, 0.0))
+    fitted = StepTimeModel.fit(samples)
+    measured = sum(s.total_s for s in samples)
+    predicted = sum(fitted.predict(s.features) for s in samples)
+    assert predicted < 0.9 * measured  # the relative-error fit follows the typical step, not the mean
+    level = mean_level(fitted, samples)
+    assert level * predicted == pytest.approx(measured, rel=1e-9)
+    exact = [StepSample(s.features, 0.010 + 0.001 * s.features.tokens, 0.0, 0.0) for s in samples]
+    assert mean_level(StepTimeModel.fit(exact), exact) == pytest.approx(1.0, abs=1e-6)  # no noise, no correction
+    assert mean_level(fitted, []) == 1.0
 
 
 def test_md1_queue_matches_the_analytic_mean_wait():

@@ -6,6 +6,7 @@ Every bad value raises ValueError naming the flag and what is allowed; the CLI t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -26,6 +27,7 @@ from .step_cost import (
     StepOverhead,
     find_profiles,
     load_profile,
+    mean_level,
     profile_for_key,
     roofline_model,
 )
@@ -115,7 +117,10 @@ def step_cost(args: argparse.Namespace) -> StepCost:
         path = found[0]
     else:
         path = Path(args.profile)
-    return StepCost(load_profile(path), overhead, str(path))
+    model = load_profile(path)
+    level = mean_level(model, model.samples)  # the profile's fit is relative-error; latencies need the mean
+    return StepCost(model, dataclasses.replace(overhead, scale=overhead.scale * level),
+                    f"{path} (mean level x{level:.3f})")
 
 
 def acceptance_model(args: argparse.Namespace) -> AcceptanceModel | None:
