@@ -8,7 +8,9 @@ does). Rows:
 - PLD: prompt lookup, k fixed; lookahead: Jacobi window + n-gram pool, trees of up to k nodes;
 - layer-skip: the searched set (turbospec search-layers);
 - Medusa, Hydra, EAGLE: our committed heads and draft layer (heads/), trees of up to k nodes;
-- adaptive: the goodput controller choosing k on top of the best fixed row of the same run;
+- adaptive: the goodput controller choosing k on top of the best fixed row of the same run, measured alongside
+  that fixed row once more (both engines loaded, taking turns prompt by prompt): on a shared machine two runs
+  made minutes apart differ by more than the controller's gain;
 - HF transformers: plain, its prompt lookup, and assisted generation with the same draft where one exists;
 - a row for DART, which does not run here yet, says what is missing.
 Columns per data set: tokens/s (generated tokens over wall time, prefill included), speedup over the same
@@ -71,31 +73,42 @@ def spec_config(row: str, model: str, args: argparse.Namespace) -> dict[str, Any
     return {"method": row, "num_speculative_tokens": args.tree_nodes}
 
 
-def run_turbospec(args: argparse.Namespace, model: str, row: str, spec: dict[str, Any] | None,
-                  data: dict[str, list[list[int]]]) -> dict[str, Any]:
-    llm = LLM(model, dtype=args.dtype, num_threads=args.threads, max_model_len=args.max_model_len,
-              speculative_config=spec, progress=False, enable_prefix_caching=False)
+def run_turbospec(args: argparse.Namespace, model: str, specs: dict[str, dict[str, Any] | None],
+                  data: dict[str, list[list[int]]]) -> list[dict[str, Any]]:
+    """One result per row of `specs`. With several rows, their engines are loaded side by side and take turns
+    prompt by prompt (the order alternating), so a machine that drifts affects them alike: how the adaptive
+    row is compared with the fixed row it builds on."""
+    llms = {row: LLM(model, dtype=args.dtype, num_threads=args.threads, max_model_len=args.max_model_len,
+                     speculative_config=spec, progress=False, enable_prefix_caching=False)
+            for row, spec in specs.items()}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    llm.generate({"prompt_token_ids": data["mt-bench"][0]}, SamplingParams(temperature=0, max_tokens=4),
-                 use_tqdm=False)  # warm-up
-    result: dict[str, Any] = {"model": model, "row": row, "engine": "turbospec", "spec": spec, "sets": {}}
+    results: dict[str, dict[str, Any]] = {}
+    for row, llm in llms.items():
+        llm.generate({"prompt_token_ids": data["mt-bench"][0]}, SamplingParams(temperature=0, max_tokens=4),
+                     use_tqdm=False)  # warm-up
+        results[row] = {"model": model, "row": row, "engine": "turbospec", "spec": specs[row], "sets": {}}
     for name, prompts in data.items():
-        llm.engine.reset_spec_stats()
-        outputs, seconds = [], 0.0
-        bar = tqdm(prompts, desc=f"{model} {row} {name}", unit="prompt")
-        for ids in bar:
-            start = time.perf_counter()
-            out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
-            seconds += time.perf_counter() - start
-            outputs.append(out.outputs[0].token_ids)
-            bar.set_postfix(tok_s=f"{sum(map(len, outputs)) / seconds:.2f}")
-        stats = llm.spec_stats()
-        result["sets"][name] = {"outputs": outputs, "seconds": seconds, "tokens": sum(map(len, outputs)),
-                                "tau": stats.get("mean_accepted_length") or None, "mean_k": stats.get("mean_k"),
-                                "k_histogram": stats.get("k_histogram")}
-    del llm
+        outputs: dict[str, list[list[int]]] = {row: [] for row in llms}
+        seconds = dict.fromkeys(llms, 0.0)
+        for llm in llms.values():
+            llm.engine.reset_spec_stats()
+        bar = tqdm(prompts, desc=f"{model} {'+'.join(llms)} {name}", unit="prompt")
+        for i, ids in enumerate(bar):
+            for row in (list(llms) if i % 2 == 0 else list(llms)[::-1]):
+                start = time.perf_counter()
+                out = llms[row].generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+                seconds[row] += time.perf_counter() - start
+                outputs[row].append(out.outputs[0].token_ids)
+            bar.set_postfix({f"{row} tok/s": f"{sum(map(len, outputs[row])) / seconds[row]:.2f}" for row in llms})
+        for row, llm in llms.items():
+            stats = llm.spec_stats()
+            results[row]["sets"][name] = {"outputs": outputs[row], "seconds": seconds[row],
+                                          "tokens": sum(map(len, outputs[row])),
+                                          "tau": stats.get("mean_accepted_length") or None,
+                                          "mean_k": stats.get("mean_k"), "k_histogram": stats.get("k_histogram")}
+    del llms
     gc.collect()
-    return result
+    return list(results.values())
 
 
 def run_hf(args: argparse.Namespace, model: str, data: dict[str, list[list[int]]]) -> list[dict[str, Any]]:
@@ -155,6 +168,7 @@ LABELS = {"plain": "plain (turbospec)", "sps": "SPS (draft model)", "pld": "PLD 
           "layer-skip": "layer-skip (Self-SpecDec)", "medusa": "Medusa (our heads, tree)",
           "hydra": "Hydra (our heads, tree)", "eagle": "EAGLE-style (our draft layer, tree)",
           "lookahead": "lookahead (tree)", "adaptive": "adaptive controller on the best fixed row",
+          "best-fixed-alongside": "the best fixed row again, alongside the adaptive one",
           "hf-plain": "HF transformers plain", "hf-prompt-lookup": "HF prompt lookup",
           "hf-assisted": "HF assisted generation", "dart": "DART"}
 
@@ -184,6 +198,14 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         same = min(s["matches_plain"] for s in r["sets"].values())
         label = LABELS[r["row"]] + (f" ({r['best']})" if r.get("best") else "")
         lines.append(f"| {r['model']} | {label} | {' | '.join(cells)} | {same:.2f} |")
+    lines.append("")
+    for adaptive in (r for r in rows if r["row"] == "adaptive" and "sets" in r):
+        fixed = next((r for r in rows if r["row"] == "best-fixed-alongside" and r["model"] == adaptive["model"]), None)
+        if fixed is not None:
+            ratios = [f"{name} {adaptive['sets'][name]['tok_s'] / fixed['sets'][name]['tok_s']:.2f}x"
+                      for name in ("mt-bench", "humaneval")]
+            lines.append(f"- {adaptive['model']}: adaptive over the best fixed row ({adaptive['best']}) measured "
+                         f"alongside it, prompt by prompt: {', '.join(ratios)} (target: at least 1.00x)")
     return "\n".join(lines) + "\n"
 
 
@@ -225,7 +247,7 @@ def main() -> None:
             if row == "sps" and model not in DRAFTS:
                 save({"model": model, "row": row, "missing": "no smaller model with this tokenizer is packaged"})
                 continue
-            save(run_turbospec(args, model, row, spec_config(row, model, args), data))
+            save(run_turbospec(args, model, {row: spec_config(row, model, args)}, data))
         if not have(model, "adaptive"):
             fixed = [r for r in rows if r["model"] == model and r["row"] in FIXED and "sets" in r]
             plain = next(r for r in rows if r["model"] == model and r["row"] == "plain")
@@ -234,9 +256,12 @@ def main() -> None:
 
             best = max(fixed, key=speed)
             spec = {**best["spec"], "num_speculative_tokens": "auto"}
-            adaptive = run_turbospec(args, model, "adaptive", spec, data)
-            adaptive["best"] = best["row"]
-            save(adaptive)
+            # the best fixed row once more, alongside the adaptive one (alternating prompts): the comparison
+            # the target is about, free of the drift between two runs made minutes apart
+            alongside, adaptive = run_turbospec(args, model, {"best-fixed-alongside": best["spec"],
+                                                              "adaptive": spec}, data)
+            adaptive["best"] = alongside["best"] = best["row"]
+            save([alongside, adaptive])
         if not args.skip_hf and not have(model, "hf-plain"):
             save(run_hf(args, model, data))
         for row, why in MISSING.items():
