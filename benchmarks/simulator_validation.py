@@ -14,7 +14,7 @@ On smollm2-135m (CPU, the engine's default options but one thread, n-gram specul
    validation runs is used to calibrate;
 3. real serving at three rates (25%, 50% and 75% of that capacity: at 90% a step-time error of a few percent
    moves the queueing delay by tens of percent, and served steps on this shared machine drift by more than
-   that while a run lasts), each rate twice (`--repeats`: up the rates, then down), every run on its own
+   that while a run lasts), each rate three times (`--repeats`: up the rates, down, up again), every run on its own
    ShareGPT prompts,
    through the server's own ``AsyncEngine`` (its engine thread and event loop, as ``turbospec serve`` runs
    it, without the HTTP layer) with Poisson arrivals from ``bench serve``'s generator; it records every
@@ -346,8 +346,8 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, Any], StepTimeModel]:
     runs: list[dict[str, Any]] = []
     capacity = 0.0
     fractions = [float(f) for f in args.fractions.split(",")]
-    # the rates in order, then (--repeats 2) in reverse order: a drift over the session hits the two runs of a
-    # rate from both ends, and the pair measures how far one measurement repeats on this machine
+    # the rates in order, then in reverse order, and so on: a drift over the session hits the runs of a
+    # rate from both ends, and their spread measures how far one measurement repeats on this machine
     schedule = [f for r in range(args.repeats) for f in (fractions if r % 2 == 0 else fractions[::-1])]
     s = args.sequential_requests
     skip = 4  # ShareGPT prompts used so far: every served request has its own prompt (no prefix-cache hits)
@@ -409,7 +409,7 @@ def main() -> int:
     p.add_argument("--paced-requests", type=int, default=12,
                    help="requests at half the capacity at the end of each calibration (0: none)")
     p.add_argument("--fractions", default="0.25,0.5,0.75", help="rates as fractions of the measured capacity")
-    p.add_argument("--repeats", type=int, default=2,
+    p.add_argument("--repeats", type=int, default=3,
                    help="runs per rate (each on its own prompts; the schedule goes up the rates, then down)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-wait", type=float, default=600.0, help="seconds to wait for a quiet machine first")
