@@ -9,8 +9,8 @@ does). Rows:
 - layer-skip: the searched set (turbospec search-layers);
 - Medusa, Hydra, EAGLE: our committed heads and draft layer (heads/), trees of up to k nodes;
 - adaptive: the goodput controller choosing k on top of the best fixed row of the same run, measured alongside
-  that fixed row once more (both engines loaded, taking turns prompt by prompt): on a shared machine two runs
-  made minutes apart differ by more than the controller's gain;
+  that fixed row and plain decoding once more (the engines loaded side by side, taking turns prompt by prompt):
+  on a shared machine two runs made minutes apart differ by more than the controller's gain;
 - HF transformers: plain, its prompt lookup, and assisted generation with the same draft where one exists;
 - a row for DART, which does not run here yet, says what is missing.
 Columns per data set: tokens/s (generated tokens over wall time, prefill included), speedup over the same
@@ -169,6 +169,7 @@ LABELS = {"plain": "plain (turbospec)", "sps": "SPS (draft model)", "pld": "PLD 
           "hydra": "Hydra (our heads, tree)", "eagle": "EAGLE-style (our draft layer, tree)",
           "lookahead": "lookahead (tree)", "adaptive": "adaptive controller on the best fixed row",
           "best-fixed-alongside": "the best fixed row again, alongside the adaptive one",
+          "plain-alongside": "plain again, alongside the adaptive one",
           "hf-plain": "HF transformers plain", "hf-prompt-lookup": "HF prompt lookup",
           "hf-assisted": "HF assisted generation", "dart": "DART"}
 
@@ -200,12 +201,14 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['model']} | {label} | {' | '.join(cells)} | {same:.2f} |")
     lines.append("")
     for adaptive in (r for r in rows if r["row"] == "adaptive" and "sets" in r):
-        fixed = next((r for r in rows if r["row"] == "best-fixed-alongside" and r["model"] == adaptive["model"]), None)
-        if fixed is not None:
-            ratios = [f"{name} {adaptive['sets'][name]['tok_s'] / fixed['sets'][name]['tok_s']:.2f}x"
-                      for name in ("mt-bench", "humaneval")]
-            lines.append(f"- {adaptive['model']}: adaptive over the best fixed row ({adaptive['best']}) measured "
-                         f"alongside it, prompt by prompt: {', '.join(ratios)} (target: at least 1.00x)")
+        for other, what in (("best-fixed-alongside", f"the best fixed row ({adaptive.get('best')})"),
+                            ("plain-alongside", "plain decoding")):
+            base = next((r for r in rows if r["row"] == other and r["model"] == adaptive["model"]), None)
+            if base is not None:
+                ratios = [f"{name} {adaptive['sets'][name]['tok_s'] / base['sets'][name]['tok_s']:.2f}x"
+                          for name in ("mt-bench", "humaneval")]
+                lines.append(f"- {adaptive['model']}: adaptive over {what}, measured alongside it prompt by prompt: "
+                             f"{', '.join(ratios)} (target: at least 1.00x)")
     return "\n".join(lines) + "\n"
 
 
@@ -256,12 +259,12 @@ def main() -> None:
 
             best = max(fixed, key=speed)
             spec = {**best["spec"], "num_speculative_tokens": "auto"}
-            # the best fixed row once more, alongside the adaptive one (alternating prompts): the comparison
-            # the target is about, free of the drift between two runs made minutes apart
-            alongside, adaptive = run_turbospec(args, model, {"best-fixed-alongside": best["spec"],
-                                                              "adaptive": spec}, data)
+            # plain and the best fixed row once more, alongside the adaptive one (taking turns prompt by prompt):
+            # the comparison the target is about (k = 0 is a fixed setting too), free of the drift between runs
+            plain_alongside, alongside, adaptive = run_turbospec(
+                args, model, {"plain-alongside": None, "best-fixed-alongside": best["spec"], "adaptive": spec}, data)
             adaptive["best"] = alongside["best"] = best["row"]
-            save([alongside, adaptive])
+            save([plain_alongside, alongside, adaptive])
         if not args.skip_hf and not have(model, "hf-plain"):
             save(run_hf(args, model, data))
         for row, why in MISSING.items():
