@@ -1,6 +1,6 @@
 """Does ``turbospec simulate`` predict real serving? Measure, then simulate the very same traffic.
 
-    PYTHONPATH=$PWD python benchmarks/simulator_validation.py            # ~30 min on 2 CPU cores
+    PYTHONPATH=$PWD python benchmarks/simulator_validation.py            # ~35 min on 2 CPU cores
 
 On smollm2-135m (CPU, the engine's default options but one thread, n-gram speculation with k = 4):
 1. the step-time profile the engine would use (its profile key), reused from the cache or measured
@@ -267,12 +267,15 @@ def predictions(data: dict[str, Any], model: StepTimeModel) -> list[dict[str, An
                 "rates, refit": predict(run, refitted, False),
                 "replay, scaled": predict(run, StepCost(model, overhead), True),
                 "replay, profile only": predict(run, StepCost(model), True)}
+        diagnostic_level = None
         if "diagnostic_steps" in run:
-            sims["replay, oracle step times (diagnostic)"] = predict(run, StepCost(*oracle(run["diagnostic_steps"])),
-                                                                     True)
+            fitted, level = oracle(run["diagnostic_steps"])
+            diagnostic_level = level.scale
+            sims["replay, oracle step times (diagnostic)"] = predict(run, StepCost(fitted, level), True)
         rows.append({"rate": run["rate"], "fraction": run["fraction"], "repeat": run.get("repeat", 0),
                      "load": run["load"],
                      "calibration": {"overhead": asdict(overhead), **detail}, "measured": measured_summary(run),
+                     "diagnostic_level": diagnostic_level,
                      "predicted": sims, "num_requests": len(run["requests"]), "wall_s": run["wall_s"],
                      "acceptance": asdict(rates_from_trace([tuple(r) for r in run["trace"]]))})
     return rows
@@ -410,7 +413,7 @@ def main() -> int:
                    help="requests at half the capacity at the end of each calibration (0: none)")
     p.add_argument("--fractions", default="0.25,0.5,0.75", help="rates as fractions of the measured capacity")
     p.add_argument("--repeats", type=int, default=3,
-                   help="runs per rate (each on its own prompts; the schedule goes up the rates, then down)")
+                   help="runs per rate (each on its own prompts; the schedule goes up the rates, down, up...)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-wait", type=float, default=600.0, help="seconds to wait for a quiet machine first")
     p.add_argument("--num-threads", type=int, default=1,
@@ -427,7 +430,7 @@ def main() -> int:
                 "least 0")
     t0 = time.time()
     if args.resimulate:
-        data = json.loads(Path(args.resimulate).read_text())
+        data = expand_steps(json.loads(Path(args.resimulate).read_text()))
         model = StepTimeModel.load(Path(data["profile"]["path"]))
         if model is None:
             raise SystemExit(f"the profile {data['profile']['path']} is gone: measure again")
@@ -467,13 +470,42 @@ def _rounded(value: Any) -> Any:
     return value
 
 
+STEP_LOGS = ("calibration_steps", "calibration_after_steps", "diagnostic_steps")
+
+
+def _columns(rows: list[dict[str, int]]) -> dict[str, list[int]]:
+    return {name: [r[name] for r in rows] for name in (rows[0] if rows else {})}
+
+
+def _rows(features: dict[str, list[int]] | list[dict[str, int]]) -> list[dict[str, int]]:
+    if isinstance(features, list):  # a file saved before the columns: one dict per step already
+        return features
+    return [dict(zip(features, values)) for values in zip(*features.values())]
+
+
+def _with_features(data: dict[str, Any], convert: Any) -> dict[str, Any]:
+    runs = [{**run, **{log: {**run[log], "features": convert(run[log]["features"])} for log in STEP_LOGS
+                       if log in run}} for run in data["runs"]]
+    return {**data, "runs": runs}
+
+
+def compact_steps(data: dict[str, Any]) -> dict[str, Any]:
+    """The step logs' features stored column by column (each name once, not once per step): what keeps a
+    three-repeat result file to a few MB. `expand_steps` undoes it."""
+    return _with_features(data, _columns)
+
+
+def expand_steps(data: dict[str, Any]) -> dict[str, Any]:
+    return _with_features(data, _rows)
+
+
 def _label(row: dict[str, Any]) -> str:
     return f"rate {row['rate']}" + (f", run {row['repeat'] + 1}" if "repeat" in row else "")
 
 
 def write(result: dict[str, Any], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(_rounded(result), separators=(",", ":")))
+    out.with_suffix(".json").write_text(json.dumps(_rounded(compact_steps(result)), separators=(",", ":")))
     profile = Path(result["profile"]["path"])
     if profile.exists():  # the profile the predictions used, kept with them (it lives in a per-user cache)
         shutil.copyfile(profile, out.with_name(out.name + "_profile.json"))
@@ -550,6 +582,12 @@ def write(result: dict[str, Any], out: Path) -> None:
         lines.append(f"- {_label(row)}: {c['mean_loop_s']:.3f} / {c['mean_engine_step_s']:.3f} / "
                      f"{c['mean_predicted_s']:.3f} over {c['steps']} steps; 'scaled' fit: "
                      f"x{c['overhead']['scale']:.2f} {c['overhead']['per_step_s'] * 1e3:+.1f} ms")
+    levels = [(row, row.get("diagnostic_level")) for row in result["rates"] if row.get("diagnostic_level")]
+    if levels:
+        lines += ["", "Where the fit sits (diagnostic): a model fitted on each run's own steps, minimising relative "
+                  "error as the engine does; mean level = their measured / predicted total seconds:", ""]
+        lines += [f"- {_label(row)}: mean level {level:.3f} (the fit alone is {1 / level - 1:+.1%})"
+                  for row, level in levels]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib

@@ -50,7 +50,7 @@ def mean_level(model: StepTimeModel, samples: list[StepSample]) -> float:
 
     The step-time model minimises relative error (the controller compares ratios), which under right-skewed
     noise (a shared machine's slow steps) sits below the mean: on the validation runs' own steps the fit summed
-    to 5-7% less than the steps took. A latency is a sum of step times, so the simulator needs the mean; this
+    to 4-9% less than the steps took. A latency is a sum of step times, so the simulator needs the mean; this
     factor, used as ``StepOverhead.scale``, restores it without changing the fitted shape."""
     if not samples:
         return 1.0
