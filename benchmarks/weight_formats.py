@@ -5,8 +5,9 @@ and HumanEval tasks (the task's prompt pre-filled in a code fence, as the other 
 - HF transformers plain and with its prompt lookup (bf16, the GGUF dequantised);
 - llama.cpp plain and with its prompt lookup (llama-cpp-python on the same Q4_K_M file, built from source:
   benchmarks/peers/llama_cpp_runner.py says how);
-- turbospec plain in each weight format (bf16, int4, auto), with its best speculative settings (draft model and
-  prompt lookup, k fixed) and with the goodput controller choosing k (auto weights);
+- turbospec plain in each weight format (bf16, int4, auto; auto also without our AMX kernels), with its best
+  speculative settings (draft model and prompt lookup, k fixed) and with the goodput controller choosing k
+  (auto weights);
 - 16 concurrent requests: output tokens/s of turbospec (continuous batching) against llama.cpp's Python API, which
   decodes one sequence at a time (so does its server).
 Every row runs in its own process, so each row's peak resident memory is its own. One profile of a plain
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -35,7 +37,9 @@ sys.path.insert(0, str(ROOT))
 
 DRAFT = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 SINGLE = ("hf-plain", "hf-prompt-lookup", "llama.cpp-plain", "llama.cpp-prompt-lookup", "turbospec-bf16",
-          "turbospec-int4", "turbospec-auto", "turbospec-pld-k4", "turbospec-sps-k4", "turbospec-adaptive")
+          "turbospec-int4", "turbospec-auto", "turbospec-auto-noamx", "turbospec-pld-k4", "turbospec-sps-k4",
+          "turbospec-adaptive")
+NO_AMX = "-noamx"  # rows run with TURBOSPEC_NO_AMX=1: torch's int4 and our AVX-512 int8 kernel, side by side
 CONCURRENT = ("llama.cpp-16", "turbospec-auto-16", "turbospec-adaptive-16")
 
 
@@ -45,7 +49,7 @@ def turbospec_options(row: str, model: str) -> tuple[str, dict[str, Any] | None]
         return "bf16", None
     if row == "turbospec-int4":
         return "int4", None
-    if row in ("turbospec-auto", "turbospec-auto-16"):
+    if row in ("turbospec-auto", "turbospec-auto-16", "turbospec-auto" + NO_AMX):
         return "auto", None
     if row == "turbospec-pld-k4":
         return "auto", {"method": "ngram", "num_speculative_tokens": 4}
@@ -273,8 +277,9 @@ def main() -> None:
                 result = run_llama_cpp(row_job, args.llamacpp_python, tmp)
             else:
                 (tmp / "job.json").write_text(json.dumps(row_job))
+                env = {**os.environ, "TURBOSPEC_NO_AMX": "1"} if row.endswith(NO_AMX) else None
                 subprocess.run([sys.executable, __file__, "--job", str(tmp / "job.json"), "--result",
-                                str(tmp / "result.json")], check=True)
+                                str(tmp / "result.json")], check=True, env=env)
                 result = json.loads((tmp / "result.json").read_text())
             done[row] = {"row": row, **result}
             summary = {n: round(tok_s(done[row], n) or 0, 2) for n in done[row]["sets"]}

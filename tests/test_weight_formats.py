@@ -79,6 +79,49 @@ def test_packed_linear_matches_its_dequantised_reference(types, dtype):
         assert (got - want).abs().max().item() <= (1e-4 if dtype == torch.float32 else 3e-2) * want.abs().max().item()
 
 
+def _amx_part(groups):
+    """The AMX part `pack` would choose: int4, int6 where the values fit six bits, else int8."""
+    from turbospec.models.packed import AmxInt4Part, AmxInt6Part, AmxInt8Part
+
+    if isinstance(groups, gguf_blocks.Int4Groups):
+        return AmxInt4Part.from_groups(groups)
+    return (AmxInt6Part if AmxInt6Part.fits(groups) else AmxInt8Part).from_groups(groups)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q4_0", "Q4_1", "Q6_K", "Q8_0", "Q5_0"])
+def test_amx_layout_holds_the_files_values(type_name):
+    """The AMX parts' tile order and per-block float16 scales are a re-layout, not a re-quantisation: exact where
+    the file's scales are float16, the K-quants' d * sc rounded to float16 (runs on any CPU)."""
+    groups = gguf_blocks.decode(random_blocks(type_name, 48, 512), type_name, 48, 512)
+    part = _amx_part(groups)
+    exact = torch.from_numpy(groups.dequantize())
+    assert part.nbytes == exact.numel() * {"Q8_0": 1.125, "Q6_K": 0.875, "Q5_0": 0.875}.get(type_name, 0.625)
+    if type_name in ("Q4_K", "Q6_K"):
+        assert not torch.equal(part.dequantize(), exact)  # (the check below would pass a no-op rounding too)
+        assert torch.allclose(part.dequantize(), exact, rtol=0, atol=2**-10 * exact.abs().max().item())
+    else:
+        assert torch.equal(part.dequantize(), exact)
+
+
+@pytest.mark.skipif(not kernels.amx_available(), reason="this CPU has no AMX (the layout test above runs anyway)")
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0"])
+def test_amx_kernels_match_the_dequantised_reference_for_every_row_count(type_name):
+    n, k = 80, 1024  # 5 blocks of 16 outputs: runs of three (two for int6) and single blocks per thread share
+    groups = gguf_blocks.decode(random_blocks(type_name, n, k), type_name, n, k)
+    part = _amx_part(groups)
+    assert part.kind == {"Q4_K": "amx-int4", "Q6_K": "amx-int6", "Q8_0": "amx-int8"}[type_name]
+    exact = torch.from_numpy(groups.dequantize())
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(40, k, generator=gen).bfloat16()
+    want = x.float() @ exact.t()
+    for rows in [*range(1, 17), 17, 33, 40]:  # every register-blocked count, then whole and partial row blocks
+        got = part.mm(x[:rows])
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        # only the output's bf16 rounding and the order of float32 sums differ
+        err = (got.float() - want[:rows]).abs().max().item()
+        assert err <= 8e-3 * want[:rows].abs().max().item(), (rows, err)
+
+
 def test_packed_parts_survive_the_cache_round_trip(tmp_path):
     from safetensors.torch import load_file, save_file
 

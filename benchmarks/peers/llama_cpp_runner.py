@@ -6,8 +6,16 @@ only: it runs in its own virtual environment. How that environment is built (fro
 REFERENCE.md section 7 says; a prebuilt wheel dies with SIGILL on this CPU):
 
     python3.11 -m venv /tmp/llamacpp-venv
-    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
-        /tmp/llamacpp-venv/bin/pip install --no-binary llama-cpp-python 'llama-cpp-python[server]==0.3.36'
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+        -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON \
+        -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
+        /tmp/llamacpp-venv/bin/pip install --no-cache-dir --no-binary llama-cpp-python \
+        'llama-cpp-python[server]==0.3.36'
+
+Every AVX-512 extension the Xeon has, but not llama.cpp's AMX path: built with GGML_NATIVE=ON (which turns it on)
+it dies with SIGILL on its first matmul here (`tilezero` in ggml_backend_amx_mul_mat, a thread whose tiles were
+never configured; requesting the tile permission first does not help). --no-cache-dir: pip otherwise reuses the
+wheel it built before, whatever CMAKE_ARGS say.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Our own compiled CPU kernel (grouped int8 matmul), built on first use with torch's extension builder.
+"""Our own compiled CPU kernels, built on first use with torch's extension builder: the grouped int8 matmul
+(AVX-512) and the AMX products for grouped int4 / int8 weights (`amx_grouped.cpp`, used where the CPU has AMX).
 
 The build needs a C++ compiler and ninja; it is cached in `turbospec/kernels/_build`, and `make setup`
 runs it once (`python -m turbospec.kernels`). When it cannot be built (no compiler, another OS) or
@@ -20,16 +21,17 @@ import torch
 
 log = logging.getLogger("turbospec.kernels")
 
-SOURCE = Path(__file__).with_name("grouped_int8.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("grouped_int8.cpp", "amx_grouped.cpp")]
 GROUP = 16
 _module: Any = None
 _failure: str | None = None
 
 
 def _digest() -> str:
-    """The build's identity: its source, torch and the CPU capability it was compiled for."""
+    """The build's identity: its source, flags, torch and the CPU capability it was compiled for."""
     capability = torch.backends.cpu.get_cpu_capability()
-    return hashlib.sha256(SOURCE.read_bytes() + f"{torch.__version__}:{capability}".encode()).hexdigest()[:12]
+    sources = b"".join(path.read_bytes() for path in SOURCES)
+    return hashlib.sha256(sources + f"{torch.__version__}:{capability}:{_flags()}".encode()).hexdigest()[:12]
 
 
 def _build_dir() -> Path:
@@ -37,8 +39,9 @@ def _build_dir() -> Path:
     else under $TURBOSPEC_HOME/kernels."""
     from ..models.registry import turbospec_home
 
-    local = SOURCE.parent / "_build"
-    root = local if os.access(SOURCE.parent, os.W_OK) else turbospec_home() / "kernels"
+    here = SOURCES[0].parent
+    local = here / "_build"
+    root = local if os.access(here, os.W_OK) else turbospec_home() / "kernels"
     return root / f"grouped_int8-{_digest()}"
 
 
@@ -49,7 +52,8 @@ def build_id() -> str:
 
 
 def _flags() -> list[str]:
-    flags = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for shares torch's thread pool (torch ships libgomp)
+    # OpenMP: at::parallel_for shares torch's thread pool (torch ships libgomp); TURBOSPEC_KERNEL_FLAGS: experiments
+    flags = ["-O3", "-fopenmp"] + os.environ.get("TURBOSPEC_KERNEL_FLAGS", "").split()
     if torch.backends.cpu.get_cpu_capability() == "AVX512":
         flags.append("-mavx512f")  # the C++ has a portable loop for other CPUs
     return flags
@@ -72,9 +76,9 @@ def load(verbose: bool = False) -> Any:
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
         directory = _build_dir()
         directory.mkdir(parents=True, exist_ok=True)
-        # a library of torch operators (turbospec::grouped_int8_mm), loaded into torch.ops
-        build("turbospec_grouped_int8", [str(SOURCE)], extra_cflags=_flags(), extra_ldflags=["-fopenmp"],
-              build_directory=str(directory), verbose=verbose, is_python_module=False)
+        # a library of torch operators (turbospec::grouped_int8_mm, amx_int4_mm, ...), loaded into torch.ops
+        build("turbospec_grouped_int8", [str(path) for path in SOURCES], extra_cflags=_flags(),
+              extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=verbose, is_python_module=False)
         _module = torch.ops.turbospec
     except Exception as exc:  # any build problem means: use the fallback
         _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
@@ -99,3 +103,18 @@ def grouped_int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> to
         return grouped_int8_mm_reference(x, q, scale)
     return module.grouped_int8_mm(x, q, scale)
 
+
+
+def amx_available() -> bool:
+    """Whether the AMX products can run: kernels built, a CPU (and Linux) offering AMX-BF16 tiles, and not
+    switched off with TURBOSPEC_NO_AMX=1 (for side-by-side measurements)."""
+    if os.environ.get("TURBOSPEC_NO_AMX") == "1":
+        return False
+    module = load()
+    return module is not None and bool(module.amx_available())
+
+
+def amx_mm(kind: str, x: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """bf16 x [M, K] @ W^T for W in the record layout of `kind` (amx-int4, amx-int6, amx-int8: the parts in
+    `models.packed`), in bf16. Only where `amx_available()`."""
+    return getattr(torch.ops.turbospec, kind.replace("-", "_") + "_mm")(x, data)

@@ -3,8 +3,9 @@
 import logging
 import sys
 
-from . import failure, load
+from . import amx_available, failure, load
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 built = load(verbose="-v" in sys.argv) is not None
-print("turbospec kernels: " + ("grouped int8 kernel built" if built else f"pure-torch fallback in use ({failure()})"))
+amx = "; AMX kernels in use" if amx_available() else "; no AMX here: torch's int4 and our AVX-512 int8 kernel in use"
+print("turbospec kernels: " + ("grouped int8 kernel built" + amx if built else f"pure-torch fallback in use ({failure()})"))

@@ -1,7 +1,7 @@
 """Where packed kernels stop paying: measured per weight shape, cached per machine.
 
 For each packed signature (kinds and shapes of its parts) we time the packed product and the dense one on
-the same random activations for 1..16 rows, and keep the largest row count up to which packed was faster
+the same random activations for 1..32 rows, and keep the largest row count up to which packed was faster
 at every count. Nothing is hard-coded: on a CPU where the int4 kernel loses even at one row, the crossover
 is 0 and the linear runs dense. Measured once per (signature, dtype, threads, hardware, torch); a 1.5B
 model's six signatures take a few seconds.
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from .packed import PackedWeight
 
-ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
 
 
 def median_ms(fn, repeats: int) -> float:

@@ -1,4 +1,5 @@
-"""Packed low-bit weights for few-row steps: torch's int4 kernel and our grouped int8 kernel.
+"""Packed low-bit weights for few-row steps: torch's int4 kernel and our grouped int8 kernel, or, on CPUs with
+AMX, our AMX kernels for both (nearly flat in rows up to 16, so verification runs packed too).
 
 On this kind of CPU a bf16 matmul costs about the same for 1 to 16 rows (weight-bandwidth bound), while the
 packed kernels are 2-3x faster for one row and grow with the rows. So a linear may hold both forms and
@@ -77,7 +78,155 @@ class Int8Part:
         return self.q.nbytes + self.scale.nbytes
 
 
-Part = Int4Part | Int8Part
+def tile_order(w: np.ndarray) -> np.ndarray:
+    """[N, K] -> [N / 16, K / 32, 16, 32]: per block of 16 outputs and 32 inputs, AMX's B-tile order (row r holds
+    inputs 2r and 2r + 1 of each output, interleaved: element j is output j // 2, input 2r + j % 2)."""
+    n, k = w.shape
+    return w.reshape(n // 16, 16, k // 32, 16, 2).transpose(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 16, 32)
+
+
+def from_tile_order(t: np.ndarray) -> np.ndarray:
+    """The inverse of `tile_order`."""
+    nb, kb = t.shape[:2]
+    return t.reshape(nb, kb, 16, 16, 2).transpose(0, 3, 1, 2, 4).reshape(nb * 16, kb * 32)
+
+
+def _per_block_half(v: np.ndarray) -> np.ndarray:
+    """[N, G] per-output float32 values -> uint8 [N / 16, G, 32]: each block's 16 outputs as float16 bytes.
+    ValueError when a value does not fit float16 (the caller keeps another form)."""
+    n, g = v.shape
+    half = v.astype(np.float16)
+    if not np.isfinite(half).all() or not np.isfinite(v).all():
+        raise ValueError("a group scale or offset does not fit float16")
+    return half.reshape(n // 16, 16, g).transpose(0, 2, 1).copy().view(np.uint8)
+
+
+def _from_block_half(b: np.ndarray) -> torch.Tensor:
+    """uint8 [N / 16, G, 32] -> float32 [N, G]: the inverse of `_per_block_half`."""
+    nb, g = b.shape[:2]
+    return torch.from_numpy(np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+                            .reshape(nb, g, 16).transpose(0, 2, 1).reshape(nb * 16, g).copy())
+
+
+def _nibbles(t: np.ndarray) -> np.ndarray:
+    """[..., 16, 32] values 0..15 in tile order -> [..., 256] bytes: byte j of chunk c holds element j of rows 2c
+    (low nibble) and 2c + 1 (high nibble)."""
+    t = t.reshape(*t.shape[:-2], 8, 2, 32)
+    return (t[..., 0, :] | (t[..., 1, :] << 4)).astype(np.uint8).reshape(*t.shape[:-3], 256)
+
+
+def _from_nibbles(b: np.ndarray) -> np.ndarray:
+    w = b.reshape(*b.shape[:-1], 8, 1, 32)
+    return np.concatenate([w & 15, w >> 4], axis=-2).reshape(*b.shape[:-1], 16, 32)
+
+
+class _AmxPart:
+    """One uint8 record per 16 outputs x 32 inputs ([N / 16, K / 32, BYTES]), run by our AMX kernel
+    (kernels/amx_grouped.cpp says each kind's record)."""
+
+    kind = ""
+    BYTES = 0
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+        self.out_features, self.in_features = data.shape[0] * 16, data.shape[1] * 32
+        self.dtype = torch.bfloat16  # of the activations it serves
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"data": self.data}
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.amx_mm(self.kind, x, self.data)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+class AmxInt4Part(_AmxPart):
+    """`Int4Groups` for our AMX kernel: value = q * s + z per group of 32, s and z in float16.
+
+    One 320-byte record per 16 outputs x 32 inputs (see kernels/amx_grouped.cpp): the 512 nibbles in tile order
+    (byte j of each 32-byte chunk c holds element j of tile rows 2c (low) and 2c + 1 (high)), then the 16 scales,
+    then the 16 offsets. float16 keeps the file's own Q4_0 / Q4_1 scales exactly and rounds Q4_K's d * sc at
+    2^-11 (torch's int4 kernel rounds them to bf16, 2^-8)."""
+
+    kind = "amx-int4"
+    BYTES = 320
+
+
+    @classmethod
+    def from_groups(cls, groups: Int4Groups) -> AmxInt4Part:
+        nibbles = _nibbles(tile_order(groups.q.astype(np.uint8)))
+        record = np.concatenate([nibbles, _per_block_half(groups.scale), _per_block_half(groups.offset)], axis=2)
+        return cls(torch.from_numpy(record))
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K], from the packed form (the tests' reference)."""
+        d = self.data.numpy()
+        q = torch.from_numpy(from_tile_order(_from_nibbles(d[:, :, :256])).astype(np.float32))
+        scale, zero = _from_block_half(d[:, :, 256:288]), _from_block_half(d[:, :, 288:])
+        return q * scale.repeat_interleave(32, dim=1) + zero.repeat_interleave(32, dim=1)
+
+
+class AmxInt6Part(_AmxPart):
+    """`Int8Groups` whose values fit 6 bits (Q6_K's -32..31, Q5_0's -16..15): value = (u - 32) * s per 16 inputs.
+    One 448-byte record per 16 outputs x 32 inputs: the low nibbles of u as in `AmxInt4Part`, 128 bytes of high
+    2-bit pairs (byte j of chunk c holds element j of tile rows 4c + i in bits 2i, 2i + 1), then the float16
+    scales of inputs 0..15 and of inputs 16..31. 0.875 bytes per weight (Q6_K: 0.82)."""
+
+    kind = "amx-int6"
+    BYTES = 448
+
+
+    @staticmethod
+    def fits(groups: Int8Groups) -> bool:
+        return bool(groups.q.min() >= -32 and groups.q.max() <= 31)
+
+    @classmethod
+    def from_groups(cls, groups: Int8Groups) -> AmxInt6Part:
+        u = tile_order((groups.q.astype(np.int16) + 32).astype(np.uint8))  # [nb, kb, 16, 32], 0..63
+        high = (u >> 4).reshape(*u.shape[:2], 4, 4, 32)  # chunk c, row 4c + i
+        pairs = sum(high[:, :, :, i] << (2 * i) for i in range(4)).astype(np.uint8).reshape(*u.shape[:2], 128)
+        scales = _per_block_half(groups.scale).reshape(*u.shape[:2], 64)
+        return cls(torch.from_numpy(np.concatenate([_nibbles(u & 15), pairs, scales], axis=2)))
+
+    def dequantize(self) -> torch.Tensor:
+        d = self.data.numpy()
+        nb, kb = d.shape[:2]
+        pairs = d[:, :, 256:384].reshape(nb, kb, 4, 1, 32)
+        high = np.concatenate([(pairs >> (2 * i)) & 3 for i in range(4)], axis=3).reshape(nb, kb, 16, 32)
+        u = from_tile_order(_from_nibbles(d[:, :, :256]) | (high << 4)).astype(np.float32)
+        scale = _from_block_half(d[:, :, 384:].reshape(nb, kb * 2, 32))
+        return (torch.from_numpy(u) - 32) * scale.repeat_interleave(16, dim=1)
+
+
+class AmxInt8Part(_AmxPart):
+    """`Int8Groups` for our AMX kernel: one 576-byte record per 16 outputs x 32 inputs: the 512 int8 values in
+    tile order, then the float16 scales of inputs 0..15 and of inputs 16..31 (exact for Q8_0 and Q5_0, whose
+    scales are float16 in the file; Q6_K's d * sc rounded at 2^-11)."""
+
+    kind = "amx-int8"
+    BYTES = 576
+
+
+    @classmethod
+    def from_groups(cls, groups: Int8Groups) -> AmxInt8Part:
+        nb, kb = groups.q.shape[0] // 16, groups.q.shape[1] // 32
+        values = tile_order(groups.q.astype(np.int8)).reshape(nb, kb, 512).view(np.uint8)
+        scales = _per_block_half(groups.scale).reshape(nb, kb, 64)  # groups 2b and 2b + 1 of each block
+        return cls(torch.from_numpy(np.concatenate([values, scales], axis=2)))
+
+    def dequantize(self) -> torch.Tensor:
+        d = self.data.numpy()
+        nb, kb = d.shape[:2]
+        q = from_tile_order(np.ascontiguousarray(d[:, :, :512]).view(np.int8).reshape(nb, kb, 16, 32))
+        scale = _from_block_half(d[:, :, 512:].reshape(nb, kb * 2, 32))
+        return torch.from_numpy(q.astype(np.float32)) * scale.repeat_interleave(16, dim=1)
+
+
+Part = Int4Part | Int8Part | AmxInt4Part | AmxInt6Part | AmxInt8Part
+AMX_PARTS = {cls.kind: cls for cls in (AmxInt4Part, AmxInt6Part, AmxInt8Part)}
 
 
 @dataclass
@@ -120,15 +269,27 @@ def merge_groups(groups: list[Groups]) -> list[Groups]:
     return merged
 
 
-def pack(groups: list[Groups], dtype: torch.dtype) -> PackedWeight:
-    """Packed parts for a linear's row segments (same-kind neighbours merged). ValueError when torch's int4
-    packing cannot take a part (it needs output rows in multiples of 16)."""
-    merged = merge_groups(groups)
-    for g in merged:
-        if isinstance(g, Int4Groups) and g.q.shape[0] % 16:
+def _part(g: Groups, dtype: torch.dtype, amx: bool) -> Part:
+    if amx and g.q.shape[0] % 16 == 0 and g.q.shape[1] % 32 == 0:
+        try:
+            if isinstance(g, Int4Groups):
+                return AmxInt4Part.from_groups(g)
+            return AmxInt6Part.from_groups(g) if AmxInt6Part.fits(g) else AmxInt8Part.from_groups(g)
+        except ValueError:  # a scale beyond float16: torch's / our AVX-512 kernel hold it
+            pass
+    if isinstance(g, Int4Groups):
+        if g.q.shape[0] % 16:
             raise ValueError(f"int4 packing needs output rows in multiples of 16, got {g.q.shape[0]}")
-    return PackedWeight([Int4Part.from_groups(g, dtype) if isinstance(g, Int4Groups) else Int8Part.from_groups(g, dtype)
-                         for g in merged])
+        return Int4Part.from_groups(g, dtype)
+    return Int8Part.from_groups(g, dtype)
+
+
+def pack(groups: list[Groups], dtype: torch.dtype) -> PackedWeight:
+    """Packed parts for a linear's row segments (same-kind neighbours merged): our AMX kernels for bf16 where the
+    CPU has AMX (`kernels.amx_available()`), else torch's int4 and our AVX-512 int8 kernel. ValueError when
+    torch's int4 packing cannot take a part (it needs output rows in multiples of 16)."""
+    amx = dtype == torch.bfloat16 and kernels.amx_available()
+    return PackedWeight([_part(g, dtype, amx) for g in merge_groups(groups)])
 
 
 def save_parts(packed: PackedWeight, prefix: str, out: dict[str, torch.Tensor]) -> list[str]:
@@ -143,6 +304,8 @@ def load_parts(kinds: list[str], prefix: str, tensors: dict[str, torch.Tensor], 
     for i, kind in enumerate(kinds):
         if kind == "int4":
             parts.append(Int4Part(tensors[f"{prefix}.{i}.weight"], tensors[f"{prefix}.{i}.scales_zeros"]))
+        elif kind in AMX_PARTS:
+            parts.append(AMX_PARTS[kind](tensors[f"{prefix}.{i}.data"]))
         else:
             parts.append(Int8Part(tensors[f"{prefix}.{i}.q"], tensors[f"{prefix}.{i}.scale"], dtype))
     return PackedWeight(parts)

@@ -31,6 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from .. import kernels
 from ..config import WEIGHT_FORMATS
 from . import gguf_blocks
 from .crossover import CrossoverCache, cache_path
@@ -141,8 +142,9 @@ def _load_packs(net: CausalLM, gguf: Path, dtype: torch.dtype, progress: bool,
                 cache_dir: Path | None) -> tuple[dict[str, list[str]], dict[str, PackedWeight]]:
     """(our linear -> its GGUF block types, our linear -> packed form for those that have an exact one), from
     the cache file when there is one: opening a GGUF parses its whole vocabulary (14 s for Qwen's)."""
-    # torch's int4 layout depends on its version and the CPU's vector width: both name the file
-    tag = f"{str(dtype).removeprefix('torch.')}-{torch.__version__}-{torch.backends.cpu.get_cpu_capability()}"
+    # torch's int4 layout depends on its version and the CPU's vector width, ours on AMX: they name the file
+    amx = "-amx" if dtype == torch.bfloat16 and kernels.amx_available() else ""
+    tag = f"{str(dtype).removeprefix('torch.')}-{torch.__version__}-{torch.backends.cpu.get_cpu_capability()}{amx}"
     path = None if cache_dir is None else cache_dir / f"packed-v1-{re.sub(r'[^A-Za-z0-9_.-]', '_', tag)}.safetensors"
     if path is not None and path.exists():
         with safe_open(str(path), framework="pt") as f:
