@@ -1,0 +1,110 @@
+"""Packed-weight kernels by row count, on qwen2.5-coder-1.5b's shapes: our AMX kernel against what runs without
+AMX (torch's int4 kernel for Q4_K, our AVX-512 int8 kernel for Q6_K) and dense bf16 (oneDNN).
+
+Why: decode runs one row per request, verification k + 1 rows, a batch one row per request, prefill hundreds;
+a packed format pays only if it stays cheap across those counts. Weights are GGUF blocks of random values in the
+model's block types (the kernels' speed does not depend on the values) and are evicted from the caches before
+every call (a 512 MiB write), so each call reads them from memory, as a decode step does (the 1.5B model's
+weights do not fit the caches). Median of --repeats calls.
+
+    .venv/bin/python benchmarks/packed_kernels.py [--repeats 7 --threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent / "tests"))
+
+from test_weight_formats import random_blocks  # noqa: E402  (valid random GGUF blocks)
+
+from turbospec import kernels  # noqa: E402
+from turbospec.models import gguf_blocks  # noqa: E402
+from turbospec.models.packed import AmxInt4Part, AmxInt6Part, Int4Part, Int8Part  # noqa: E402
+
+SHAPES = {  # name: (GGUF type, out features, in features)
+    "gate|up Q4_K": ("Q4_K", 17920, 1536),
+    "down Q6_K": ("Q6_K", 1536, 8960),
+    "LM head Q6_K": ("Q6_K", 151936, 1536),
+}
+ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
+
+
+def median_ms(fn: Callable[[], Any], repeats: int, flush: torch.Tensor) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        flush.add_(1)  # evict the weights: the call reads them from memory
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "results" / "packed_kernels"))
+    args = ap.parse_args()
+    if not kernels.amx_available():
+        sys.exit("packed_kernels.py: this CPU (or build) has no AMX kernel; nothing to compare")
+    from turbospec.bench.machine import benchmark_meta, save_results
+
+    torch.set_num_threads(args.threads)
+    flush = torch.ones(2**27)
+    rows_out: list[dict[str, Any]] = []
+    for name, (type_name, n, k) in tqdm(SHAPES.items(), desc="shapes"):
+        groups = gguf_blocks.decode(random_blocks(type_name, n, k), type_name, n, k)
+        int4 = type_name == "Q4_K"
+        amx = AmxInt4Part.from_groups(groups) if int4 else AmxInt6Part.from_groups(groups)
+        other = Int4Part.from_groups(groups, torch.bfloat16) if int4 else Int8Part.from_groups(groups, torch.bfloat16)
+        dense = torch.from_numpy(groups.dequantize()).to(torch.bfloat16)
+        del groups
+        for rows in tqdm(ROWS, desc=name, leave=False):
+            x = torch.randn(rows, k).to(torch.bfloat16)
+            row = {"shape": name, "rows": rows, "amx_ms": median_ms(lambda: amx.mm(x), args.repeats, flush),
+                   "no_amx_ms": median_ms(lambda: other.mm(x), args.repeats, flush),
+                   "dense_bf16_ms": median_ms(lambda: F.linear(x, dense), args.repeats, flush),
+                   "amx_bytes": amx.nbytes, "no_amx_bytes": other.nbytes, "dense_bytes": dense.nbytes}
+            rows_out.append(row)
+            tqdm.write(f"{name} rows {rows}: AMX {row['amx_ms']:.2f} ms, without AMX {row['no_amx_ms']:.2f} ms, "
+                       f"dense bf16 {row['dense_bf16_ms']:.2f} ms")
+        del amx, other, dense
+    meta = benchmark_meta(args.threads, repeats=args.repeats)
+    save_results(Path(args.out), meta, rows_out, markdown(meta, rows_out))
+
+
+def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    lines = ["# Packed-weight kernels by row count (qwen2.5-coder-1.5b shapes)", "",
+             f"- {meta['command']}", f"- {meta['machine']}, {meta['threads']} threads, torch {meta['torch']}, "
+             f"{meta['date']}, commit {meta['commit']}",
+             "- weights evicted from the caches before every call (read from memory, as in decode); median of "
+             f"{meta['repeats']} calls; ms per call (GB/s of its weight bytes at one row)", "",
+             "| shape | rows | AMX (ours) | without AMX (torch int4 / our AVX-512 int8) | dense bf16 | AMX / dense |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        def cell(ms: float, nbytes: int) -> str:
+            return f"{ms:.2f} ({nbytes / ms / 1e6:.1f} GB/s)" if r["rows"] == 1 else f"{ms:.2f}"
+
+        lines.append(f"| {r['shape']} | {r['rows']} | {cell(r['amx_ms'], r['amx_bytes'])} | "
+                     f"{cell(r['no_amx_ms'], r['no_amx_bytes'])} | {cell(r['dense_bf16_ms'], r['dense_bytes'])} | "
+                     f"{r['amx_ms'] / r['dense_bf16_ms']:.2f} |")
+    lines += ["", "Bytes per weight: AMX int4 0.625, int6 0.875; torch int4 0.625, our int8 1.25; bf16 2.", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
