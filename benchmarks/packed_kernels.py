@@ -13,14 +13,12 @@ weights do not fit the caches). Median of --repeats calls.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
@@ -82,7 +80,6 @@ def main() -> None:
             rows_out.append(row)
             tqdm.write(f"{name} rows {rows}: AMX {row['amx_ms']:.2f} ms, without AMX {row['no_amx_ms']:.2f} ms, "
                        f"dense bf16 {row['dense_bf16_ms']:.2f} ms")
-        del amx, other, dense
     meta = benchmark_meta(args.threads, repeats=args.repeats)
     save_results(Path(args.out), meta, rows_out, markdown(meta, rows_out))
 
