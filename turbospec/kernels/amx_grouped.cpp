@@ -408,7 +408,9 @@ TS_TARGET void run_range_gemm(int kind, const uint16_t* x, int64_t k, const uint
                               int64_t groups, int64_t row_blocks, uint16_t* y, int64_t n) {
   configure_tiles(kMaxRows, false);
   constexpr int kBlocks = 4;
-  std::vector<uint16_t> storage(kBlocks * groups * 512 + 32);
+  // kept per thread: a fresh megabyte per call would be page-faulted in every time
+  static thread_local std::vector<uint16_t> storage;
+  storage.resize(std::max<size_t>(storage.size(), kBlocks * groups * 512 + 32));
   uint16_t* buf = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t(63));
   for (int64_t nb = nb0; nb < nb1; nb += kBlocks) {
     const int blocks = static_cast<int>(std::min<int64_t>(kBlocks, nb1 - nb));
