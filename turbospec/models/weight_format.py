@@ -8,8 +8,9 @@
 - `auto` (default): where the file's block type can be held exactly, the packed form for calls with up to
   the measured crossover rows (decode, short drafts) and a dense copy for the rest (verification, prefill).
   Both are the file's values: the dense copy rounded once to the dtype, the packed form exact for int8 and
-  with its int4 group scale and zero rounded to the dtype (exact in float32). So both compute the same
-  model up to that rounding.
+  with its int4 group scale and zero rounded to the dtype (exact in float32); on CPUs with AMX our own packed
+  forms hold scales in float16 (exact for Q4_0 / Q4_1 / Q8_0 / Q5_0, the K-quants' d * sc rounded at 2^-11).
+  So both compute the same model up to that rounding.
 
 A format the file cannot provide exactly is refused (int8 on a Q4_K file, any packed format on safetensors
 or dummy weights). The LM head's dense copy is kept in every format: heads and EAGLE read its rows.
