@@ -524,6 +524,7 @@ at::Tensor grouped_mm(const at::Tensor& x_in, const at::Tensor& w, int kind) {
   const int64_t rows = x_in.size(0), k = x_in.size(1), blocks = w.size(0), groups = w.size(1), n = blocks * kTileN;
   TORCH_CHECK(k == groups * kTileK, name, ": x has ", k, " inputs, the weight ", groups * kTileK);
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, name, ": activations must be bfloat16");
+  if (rows == 0) return at::empty({0, n}, x_in.options());
   // more than one row block: pad x to whole blocks of 16 rows (the tiles then read whole blocks)
   const int64_t row_blocks = (rows + kMaxRows - 1) / kMaxRows;
   const bool many = row_blocks > 1;
