@@ -8,4 +8,5 @@ from . import amx_available, failure, load
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 built = load(verbose="-v" in sys.argv) is not None
 amx = "; AMX kernels in use" if amx_available() else "; no AMX here: torch's int4 and our AVX-512 int8 kernel in use"
-print("turbospec kernels: " + ("grouped int8 kernel built" + amx if built else f"pure-torch fallback in use ({failure()})"))
+fallback = f"pure-torch fallback in use ({failure()})"
+print("turbospec kernels: " + ("grouped int8 kernel built" + amx if built else fallback))
