@@ -165,3 +165,27 @@ def test_cli_profile_writes_the_cache_and_refuses_bad_input(tmp_path):
                           "--speculative-config", '{"method": "ngram", "max_speculative_tokens": -2}'],
                          capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "max_speculative_tokens" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_draft_model_never_verified_is_probed_once_so_its_acceptance_gets_measured():
+    # drafting looks too costly at the prior acceptance: without the probe the controller would never draft, and
+    # never learn that this draft (the target itself) is always accepted
+    llm = _llm(speculative_config={"method": "draft", "model": MODEL})
+    engine = llm.engine
+    engine.controller.model = _model(per_token=0.2)
+    prior = engine.controller.estimator.rates("nobody", 1)[0]
+    llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    stats = llm.spec_stats()
+    assert stats["num_drafts"] == 1 and stats["num_accepted_tokens"] == stats["num_draft_tokens"] > 0, stats
+    assert engine.controller.estimator.rates("nobody", 1)[0] > prior  # what a fresh request now starts from
+    llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert llm.spec_stats()["num_drafts"] == 1  # once per controller: from then on it decides
+
+
+def test_profiling_steps_stay_out_of_the_speculation_statistics():
+    from turbospec.control.profiler import ProfileGrid, profile_engine
+
+    llm = _llm(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    before = llm.spec_stats()
+    samples = profile_engine(llm.engine, ProfileGrid((1,), (32,), (0, 2), 1), progress=False)
+    assert samples and llm.spec_stats() == before

@@ -133,7 +133,9 @@ def profile_engine(engine: LLMEngine, grid: ProfileGrid, progress: bool = True, 
         raise RuntimeError("profiling needs an idle engine")
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
-    saved = (engine.proposer, engine.synthetic_acceptance, engine.spec_mode, engine.sample_steps)
+    # its steps (synthetic acceptance 0) must not show in the user's speculation statistics
+    saved = (engine.proposer, engine.synthetic_acceptance, engine.spec_mode, engine.sample_steps, engine.spec_stats)
+    engine.spec_stats = type(engine.spec_stats)()
     if engine.spec is not None and engine.spec.method == "ngram":
         engine.proposer = RepeatProposer()
     engine.synthetic_acceptance = 0.0
@@ -173,7 +175,7 @@ def profile_engine(engine: LLMEngine, grid: ProfileGrid, progress: bool = True, 
         bar.close()
         for rid in list(engine.requests):
             engine.abort_request(rid)
-        engine.proposer, engine.synthetic_acceptance, engine.spec_mode, engine.sample_steps = saved
+        engine.proposer, engine.synthetic_acceptance, engine.spec_mode, engine.sample_steps, engine.spec_stats = saved
     return samples
 
 
