@@ -298,7 +298,6 @@ class LLMEngine:
             assert self.spec is not None
             model = load_or_profile(self, progress)
             self.controller = GoodputController(model, make_estimator(self.spec.acceptance_estimator))
-            self._cold_probe_done = False  # a fresh estimator knows only its prior (_cold_start_probe)
 
     def spec_stats_dict(self) -> dict[str, object]:
         out: dict[str, object] = self.spec_stats.as_dict()
@@ -411,14 +410,15 @@ class LLMEngine:
         prior (0.6), at which a draft costing most of a target step never looks worth starting, and without
         drafting the real acceptance is never measured (the 0.5B draft for qwen2.5-coder-1.5b accepts ~0.9 on
         HumanEval, and `auto` chose k = 0 on every step before this). One step at the cap, for the request
-        cheapest to start (least catch-up); from then on the estimator knows the pair and the controller decides."""
-        if getattr(self, "_cold_probe_done", True) or any(ks) or not self.proposer.runs_model:
+        cheapest to start (least catch-up); once it is verified the estimator knows the pair and the controller
+        decides (a probe cut short, e.g. by an abort, is simply tried again)."""
+        assert self.controller is not None and self.proposer is not None
+        if self.controller.num_observations or any(ks) or not self.proposer.runs_model:
             return ks
         options = [i for i, c in enumerate(candidates) if c.k_max > 0]
         if not options:
             return ks
         i = min(options, key=lambda j: candidates[j].catch_up)
-        self._cold_probe_done = True
         return [candidates[j].k_max if j == i else k for j, k in enumerate(ks)]
 
     def _base_features(self, decoding: list[Request]) -> tuple[StepFeatures, int]:

@@ -79,6 +79,7 @@ class GoodputController:
         self.estimator = estimator
         self.switch_on_gain = switch_on_gain
         self.speculating = False
+        self.num_observations = 0  # verifications seen: none means the acceptance estimate is only its prior
         self.stats = ControllerStats()
         self.last_choice: Choice | None = None
         self._profiled_batch = model.max_profiled_batch
@@ -121,6 +122,7 @@ class GoodputController:
 
     def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         self.estimator.observe(request_id, num_draft, num_accepted)
+        self.num_observations += 1
 
     def free(self, request_id: str) -> None:
         self.estimator.free(request_id)

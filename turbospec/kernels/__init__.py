@@ -52,8 +52,7 @@ def build_id() -> str:
 
 
 def _flags() -> list[str]:
-    # OpenMP: at::parallel_for shares torch's thread pool (torch ships libgomp); TURBOSPEC_KERNEL_FLAGS: experiments
-    flags = ["-O3", "-fopenmp"] + os.environ.get("TURBOSPEC_KERNEL_FLAGS", "").split()
+    flags = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for shares torch's thread pool (torch ships libgomp)
     if torch.backends.cpu.get_cpu_capability() == "AVX512":
         flags.append("-mavx512f")  # the C++ has a portable loop for other CPUs
     return flags
@@ -104,7 +103,6 @@ def grouped_int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> to
     return module.grouped_int8_mm(x, q, scale)
 
 
-
 def amx_available() -> bool:
     """Whether the AMX products can run: kernels built, a CPU (and Linux) offering AMX-BF16 tiles, and not
     switched off with TURBOSPEC_NO_AMX=1 (for side-by-side measurements)."""
@@ -114,7 +112,7 @@ def amx_available() -> bool:
     return module is not None and bool(module.amx_available())
 
 
-def amx_mm(kind: str, x: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
-    """bf16 x [M, K] @ W^T for W in the record layout of `kind` (amx-int4, amx-int6, amx-int8: the parts in
-    `models.packed`), in bf16. Only where `amx_available()`."""
-    return getattr(torch.ops.turbospec, kind.replace("-", "_") + "_mm")(x, data)
+def amx_op(kind: str) -> Any:
+    """The operator for `kind` (amx-int4, amx-int6, amx-int8: the parts in `models.packed`): op(x, data) is
+    bf16 x [M, K] @ W^T for W in that kind's record layout, in bf16. Only where `amx_available()`."""
+    return getattr(torch.ops.turbospec, kind.replace("-", "_") + "_mm")

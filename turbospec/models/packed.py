@@ -125,18 +125,18 @@ class _AmxPart:
     (kernels/amx_grouped.cpp says each kind's record)."""
 
     kind = ""
-    BYTES = 0
 
     def __init__(self, data: torch.Tensor) -> None:
         self.data = data
         self.out_features, self.in_features = data.shape[0] * 16, data.shape[1] * 32
         self.dtype = torch.bfloat16  # of the activations it serves
+        self._op = kernels.amx_op(self.kind)  # looked up once: mm runs for every linear of every step
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"data": self.data}
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.amx_mm(self.kind, x, self.data)
+        return self._op(x, self.data)
 
     @property
     def nbytes(self) -> int:
@@ -152,7 +152,6 @@ class AmxInt4Part(_AmxPart):
     2^-11 (torch's int4 kernel rounds them to bf16, 2^-8)."""
 
     kind = "amx-int4"
-    BYTES = 320
 
 
     @classmethod
@@ -176,7 +175,6 @@ class AmxInt6Part(_AmxPart):
     scales of inputs 0..15 and of inputs 16..31. 0.875 bytes per weight (Q6_K: 0.82)."""
 
     kind = "amx-int6"
-    BYTES = 448
 
 
     @staticmethod
@@ -207,7 +205,6 @@ class AmxInt8Part(_AmxPart):
     scales are float16 in the file; Q6_K's d * sc rounded at 2^-11)."""
 
     kind = "amx-int8"
-    BYTES = 576
 
 
     @classmethod
