@@ -8,12 +8,11 @@ import subprocess
 import sys
 
 import pytest
+from spec_prompts import SPEC_PROMPTS
 
 from turbospec import LLM, SamplingParams
 from turbospec.config import SpeculativeConfig
 from turbospec.kv.kv_cache import KVCache
-
-from spec_prompts import SPEC_PROMPTS
 
 pytestmark = pytest.mark.slow
 
@@ -24,6 +23,9 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 SELF_DRAFT = {"method": "draft", "model": MODEL, "num_speculative_tokens": 3}
 LAYER_SKIP = {"method": "layer-skip", "skip_layers": [4, 8, 12, 16, 20], "num_speculative_tokens": 3}
 LOOKAHEAD = {"method": "lookahead", "num_speculative_tokens": 6}
+# a draft vocabulary far smaller than the answers' tokens: drafts outside it (or in the prompt) are exercised
+CUT_DRAFT = {**SELF_DRAFT, "draft_vocab_size": 256}
+CUT_LAYER_SKIP = {**LAYER_SKIP, "draft_vocab_size": 256}
 
 
 def _llm(**kw) -> LLM:
@@ -50,8 +52,8 @@ def _assert_no_leaks(llm: LLM) -> None:
         assert not engine.proposer.computed and not engine.proposer.pending
 
 
-@pytest.mark.parametrize("config", [NGRAM, SELF_DRAFT, LAYER_SKIP, LOOKAHEAD],
-                         ids=["ngram", "draft", "layer-skip", "lookahead"])
+@pytest.mark.parametrize("config", [NGRAM, SELF_DRAFT, LAYER_SKIP, LOOKAHEAD, CUT_DRAFT, CUT_LAYER_SKIP],
+                         ids=["ngram", "draft", "layer-skip", "lookahead", "draft-cut-vocab", "layer-skip-cut-vocab"])
 def test_greedy_speculation_reproduces_plain_decoding(config, plain):
     llm = _llm(speculative_config=config)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -133,6 +135,9 @@ def test_sampled_speculation_is_seeded_and_in_vocabulary():
         ({"method": "layer-skip", "skip_layers": "3,4"}, "skip_layers must be a list of layer indices"),
         ({"method": "lookahead", "lookahead_ngram": 1}, "lookahead_ngram must be >= 2"),
         ({"method": "lookahead", "lookahead_window": 0}, "lookahead_window must be an integer >= 1"),
+        ({"method": "draft", "model": "m", "draft_vocab_size": -1}, "draft_vocab_size must be"),
+        ({"method": "draft", "model": "m", "draft_vocab_size": "all"}, "draft_vocab_size must be"),
+        ({"method": "ngram", "draft_vocab_size": 4096}, "draft_vocab_size only applies to methods draft, layer-skip"),
     ],
 )
 def test_invalid_configs_are_refused(config, message):

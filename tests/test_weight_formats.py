@@ -14,10 +14,10 @@ from gguf import GGMLQuantizationType, quants
 from turbospec import LLM, SamplingParams, kernels
 from turbospec.config import EngineConfig
 from turbospec.models import gguf_blocks
-from turbospec.models.crossover import crossover_rows
+from turbospec.models.crossover import GEMM_ROWS, crossover_rows, gemm_crossover
 from turbospec.models.layers import RowLinear
 from turbospec.models.loader import load_model
-from turbospec.models.packed import pack
+from turbospec.models.packed import PackedWeight, pack
 from turbospec.models.weight_format import WeightFormatError
 
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q8_0": 34, "Q5_0": 22, "Q6_K": 210}
@@ -188,6 +188,36 @@ def test_rowlinear_runs_packed_up_to_the_crossover_then_dense(monkeypatch):
 def test_crossover_is_the_last_row_count_of_an_unbroken_win():
     assert crossover_rows({1: (1.0, 2.0), 2: (1.5, 2.0), 4: (2.5, 2.0), 8: (1.0, 2.0)}) == 2
     assert crossover_rows({1: (3.0, 2.0), 2: (1.0, 2.0)}) == 0  # losing at one row: never packed
+
+
+def test_prefill_sizes_run_packed_only_where_packed_won_at_all_of_them():
+    win, lose = (1.0, 2.0), (3.0, 2.0)
+    assert gemm_crossover({64: win, 128: win, 256: win}) == GEMM_ROWS[0]
+    assert gemm_crossover({64: win, 128: lose}) == 0  # measuring stopped at the loss
+    assert gemm_crossover({1: win, 32: win}) == 0  # never measured at prefill sizes
+    packed = PackedWeight([], max_rows=12, gemm_rows=64)
+    assert [r for r in (1, 12, 13, 63, 64, 500) if packed.runs_packed(r)] == [1, 12, 64, 500]
+    assert not PackedWeight([], max_rows=12).runs_packed(500)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "Q5_0"])
+@pytest.mark.parametrize("amx", [True, False], ids=["amx-layout", "int8-or-int4"])
+def test_a_packed_weights_rows_are_cut_without_changing_a_value(type_name, amx):
+    """A draft vocabulary's head (spec/draft_vocab.py) is the LM head's rows, repacked: the same values."""
+    groups = gguf_blocks.decode(random_blocks(type_name, 64, 256), type_name, 64, 256)
+    rows = np.array([0, 3, 17, 18, 40, 41, 42, 43, 50, 51, 52, 53, 60, 61, 62, 63])
+    if amx:
+        packed = PackedWeight([_amx_part(groups)])
+    else:
+        packed = pack([groups], torch.float32)  # (no AMX parts in float32)
+    cut = packed.take_rows(rows)
+    if not amx and type_name == "Q4_K":
+        assert cut is None  # torch's int4 layout is opaque: the caller keeps dense rows
+        return
+    assert cut is not None and cut.parts[0].kind == packed.parts[0].kind
+    assert torch.equal(cut.parts[0].dequantize(), packed.parts[0].dequantize()[torch.from_numpy(rows)])
+    if amx:
+        assert packed.take_rows(rows[:15]) is None  # an AMX record holds 16 output rows
 
 
 @pytest.mark.slow

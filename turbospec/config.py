@@ -118,6 +118,7 @@ def check_positive(name: str, value: object, alternative: str = "") -> None:
 SPEC_METHODS = ("ngram", "draft", "layer-skip", "medusa", "hydra", "eagle", "lookahead")
 # methods that draft from the target's hidden states with a trained file (heads/)
 HEAD_METHODS = ("medusa", "hydra", "eagle")
+DRAFT_VOCAB_METHODS = ("draft", "layer-skip")  # the proposers that run a model's own LM head
 
 
 @dataclass
@@ -151,6 +152,9 @@ class SpeculativeConfig:
     acceptance: str = "exact"
     typical_epsilon: float = TYPICAL_EPSILON  # typical acceptance: p(x) > min(epsilon, delta * exp(-H(p)))
     typical_delta: float = TYPICAL_DELTA
+    # methods "draft" / "layer-skip": the draft's LM head scores this many frequent tokens plus each request's own
+    # (spec/draft_vocab.py, lossless); "auto": 32768 for vocabularies of 64k tokens or more; null / 0: all
+    draft_vocab_size: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -187,6 +191,13 @@ class SpeculativeConfig:
             check_positive("tree_branch", self.tree_branch)
         elif self.heads is not None:
             raise ValueError(f"heads only applies to methods {', '.join(HEAD_METHODS)}, not {self.method!r}")
+        v = self.draft_vocab_size
+        if v not in ("auto", None) and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"draft_vocab_size must be \"auto\", null or an integer >= 0 (0: the full vocabulary), "
+                             f"got {v!r}")
+        if v not in ("auto", None, 0) and self.method not in DRAFT_VOCAB_METHODS:
+            raise ValueError(f"draft_vocab_size only applies to methods {', '.join(DRAFT_VOCAB_METHODS)}, not "
+                             f"{self.method!r}")
         if self.method == "ngram":
             check_positive("prompt_lookup_min", self.prompt_lookup_min)
             check_positive("prompt_lookup_max", self.prompt_lookup_max)

@@ -23,7 +23,7 @@ class ModelOutput:
     """Logits (float32) for the rows that are sampled or verified: for each scheduled request that reaches
     the end of its known tokens, 1 + (number of draft tokens) consecutive rows starting at row_start[i]."""
 
-    logits: torch.Tensor  # [R, V]
+    logits: torch.Tensor  # [R, V] (None when the caller asked for hidden states only)
     hidden: torch.Tensor  # [R, H], the same rows before the LM head (for draft heads)
     row_start: list[int]  # per scheduled request, or -1 when it samples nothing this step
     num_rows: list[int]
@@ -74,9 +74,10 @@ class ModelRunner:
         return self.run(items)
 
     @torch.inference_mode()
-    def run(self, items: list[SeqInput], invariant: bool = False) -> ModelOutput:
+    def run(self, items: list[SeqInput], invariant: bool = False, logits: bool = True) -> ModelOutput:
         """Compute items' tokens (each continuing its sequence at `start`) and return their last rows.
-        invariant=True computes every item on the batch-invariant path, as does the runner's own mode."""
+        invariant=True computes every item on the batch-invariant path, as does the runner's own mode.
+        logits=False skips the LM head (the output's logits are then None): a caller scoring the rows itself."""
         invariant = invariant or self.batch_invariant
         ids: list[int] = []
         positions: list[int] = []
@@ -120,7 +121,8 @@ class ModelRunner:
         hidden = hidden[rows]
         captured = getattr(self.model, "captured", None)
         features = torch.cat([captured[rows], hidden], dim=-1) if captured is not None else None
-        return ModelOutput(self.model.compute_logits(hidden, meta.invariant), hidden, row_start, num_rows, features)
+        scores = self.model.compute_logits(hidden, meta.invariant) if logits else None
+        return ModelOutput(scores, hidden, row_start, num_rows, features)
 
 
 @dataclass

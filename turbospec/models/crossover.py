@@ -3,8 +3,10 @@
 For each packed signature (kinds and shapes of its parts) we time the packed product and the dense one on
 the same random activations for 1..32 rows, and keep the largest row count up to which packed was faster
 at every count. Nothing is hard-coded: on a CPU where the int4 kernel loses even at one row, the crossover
-is 0 and the linear runs dense. Measured once per (signature, dtype, threads, hardware, torch); a 1.5B
-model's six signatures take a few seconds.
+is 0 and the linear runs dense. Then the prefill sizes (64, 128, 256 rows): where packed wins at all of them
+(our AMX kernel expands the weights once per call and runs a GEMM: it reads a quarter of the bytes, 27% off a
+278-token prefill of the 1.5B here), calls from 64 rows on run packed too. Measured once per (signature, dtype,
+threads, hardware, torch); a 1.5B model's six signatures take a few seconds.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,7 +23,14 @@ import torch.nn.functional as F
 
 from .packed import PackedWeight
 
-ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
+ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)  # decode and verification
+GEMM_ROWS = (64, 128, 256)  # prefill chunks
+
+
+@dataclass(frozen=True)
+class Crossover:
+    max_rows: int  # packed for calls of up to this many rows
+    gemm_rows: int  # ... and for calls of at least this many (0: never)
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -33,18 +43,19 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def measure(packed: PackedWeight, dense: torch.Tensor, repeats: int = 5) -> dict[int, tuple[float, float]]:
-    """rows -> (packed ms, dense ms), stopping two counts after packed first loses."""
+def measure(packed: PackedWeight, dense: torch.Tensor, row_counts: tuple[int, ...] = ROWS, repeats: int = 5,
+            max_losses: int = 2) -> dict[int, tuple[float, float]]:
+    """rows -> (packed ms, dense ms), stopping once packed has lost `max_losses` times."""
     gen = torch.Generator().manual_seed(0)
     out: dict[int, tuple[float, float]] = {}
     losses = 0
-    for rows in ROWS:
+    for rows in row_counts:
         x = torch.randn(rows, dense.shape[1], generator=gen).to(dense.dtype)
         p = median_ms(lambda: packed.mm(x), repeats)
         d = median_ms(lambda: F.linear(x, dense), repeats)
         out[rows] = (p, d)
         losses += p >= d
-        if losses >= 2:
+        if losses >= max_losses:
             break
     return out
 
@@ -60,6 +71,12 @@ def crossover_rows(timings: dict[int, tuple[float, float]]) -> int:
     return best
 
 
+def gemm_crossover(timings: dict[int, tuple[float, float]]) -> int:
+    """GEMM_ROWS[0] when packed won at every prefill size measured (all of them), else 0."""
+    won = all(r in timings and timings[r][0] < timings[r][1] for r in GEMM_ROWS)
+    return GEMM_ROWS[0] if won else 0
+
+
 class CrossoverCache:
     """signature -> rows, in one JSON file per machine key (under $TURBOSPEC_HOME/kernels)."""
 
@@ -71,14 +88,17 @@ class CrossoverCache:
             self.data = {}
         self.dirty = False
 
-    def rows(self, packed: PackedWeight, dense: torch.Tensor) -> int:
+    def get(self, packed: PackedWeight, dense: torch.Tensor) -> Crossover:
         entry = self.data.get(packed.signature)
-        if entry is None:
+        if entry is None or "gemm_rows" not in entry:  # (files from before the prefill sizes were measured)
             timings = measure(packed, dense)
-            entry = {"rows": crossover_rows(timings), "ms": {str(r): list(t) for r, t in timings.items()}}
+            # one loss ends it: packed runs prefill sizes only where it wins at all of them
+            timings.update(measure(packed, dense, GEMM_ROWS, repeats=3, max_losses=1))
+            entry = {"rows": crossover_rows({r: t for r, t in timings.items() if r in ROWS}),
+                     "gemm_rows": gemm_crossover(timings), "ms": {str(r): list(t) for r, t in timings.items()}}
             self.data[packed.signature] = entry
             self.dirty = True
-        return int(entry["rows"])
+        return Crossover(int(entry["rows"]), int(entry["gemm_rows"]))
 
     def save(self) -> None:
         if self.dirty:

@@ -3,7 +3,8 @@ AMX, our AMX kernels for both (nearly flat in rows up to 16, so verification run
 
 On this kind of CPU a bf16 matmul costs about the same for 1 to 16 rows (weight-bandwidth bound), while the
 packed kernels are 2-3x faster for one row and grow with the rows. So a linear may hold both forms and
-pick per call: packed up to `max_rows` rows (measured per shape by `crossover.py`), dense above. A linear
+pick per call: packed up to `max_rows` rows (measured per shape by `crossover.py`), dense above, and packed
+again from `gemm_rows` on where our AMX GEMM beats the dense one at prefill sizes. A linear
 holding only the packed form (weight formats int4 / int8) always runs packed.
 
 A packed weight is a list of parts along the output dimension, because a fused projection (q|k|v, gate|up)
@@ -73,6 +74,13 @@ class Int8Part:
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.grouped_int8_mm(x, self.q, self.scale).to(x.dtype)
 
+    def dequantize(self) -> torch.Tensor:
+        return torch.from_numpy(Int8Groups(self.q.numpy(), self.scale.numpy()).dequantize())
+
+    def take_rows(self, rows: np.ndarray) -> Int8Part:
+        index = torch.from_numpy(rows)
+        return Int8Part(self.q[index].contiguous(), self.scale[index].contiguous(), self.dtype)
+
     @property
     def nbytes(self) -> int:
         return self.q.nbytes + self.scale.nbytes
@@ -101,11 +109,11 @@ def _per_block_half(v: np.ndarray) -> np.ndarray:
     return half.reshape(n // 16, 16, g).transpose(0, 2, 1).copy().view(np.uint8)
 
 
-def _from_block_half(b: np.ndarray) -> torch.Tensor:
+def _from_block_half(b: np.ndarray) -> np.ndarray:
     """uint8 [N / 16, G, 32] -> float32 [N, G]: the inverse of `_per_block_half`."""
     nb, g = b.shape[:2]
-    return torch.from_numpy(np.ascontiguousarray(b).view(np.float16).astype(np.float32)
-                            .reshape(nb, g, 16).transpose(0, 2, 1).reshape(nb * 16, g).copy())
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32).reshape(nb, g, 16).transpose(0, 2, 1) \
+        .reshape(nb * 16, g).copy()
 
 
 def _nibbles(t: np.ndarray) -> np.ndarray:
@@ -142,6 +150,17 @@ class _AmxPart:
     def nbytes(self) -> int:
         return self.data.nbytes
 
+    def to_groups(self) -> Groups:
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K], from the packed form (the tests' reference)."""
+        return torch.from_numpy(self.to_groups().dequantize())
+
+    def take_rows(self, rows: np.ndarray) -> _AmxPart:
+        """These output rows (a multiple of 16 of them), repacked: the same values, in the same kind."""
+        return type(self).from_groups(self.to_groups().take_rows(rows))  # type: ignore[attr-defined]
+
 
 class AmxInt4Part(_AmxPart):
     """`Int4Groups` for our AMX kernel: value = q * s + z per group of 32, s and z in float16.
@@ -160,12 +179,10 @@ class AmxInt4Part(_AmxPart):
         record = np.concatenate([nibbles, _per_block_half(groups.scale), _per_block_half(groups.offset)], axis=2)
         return cls(torch.from_numpy(record))
 
-    def dequantize(self) -> torch.Tensor:
-        """float32 [N, K], from the packed form (the tests' reference)."""
+    def to_groups(self) -> Int4Groups:
         d = self.data.numpy()
-        q = torch.from_numpy(from_tile_order(_from_nibbles(d[:, :, :256])).astype(np.float32))
-        scale, zero = _from_block_half(d[:, :, 256:288]), _from_block_half(d[:, :, 288:])
-        return q * scale.repeat_interleave(32, dim=1) + zero.repeat_interleave(32, dim=1)
+        q = from_tile_order(_from_nibbles(d[:, :, :256])).astype(np.uint8)
+        return Int4Groups(q, _from_block_half(d[:, :, 256:288]), _from_block_half(d[:, :, 288:]))
 
 
 class AmxInt6Part(_AmxPart):
@@ -189,14 +206,14 @@ class AmxInt6Part(_AmxPart):
         scales = _per_block_half(groups.scale).reshape(*u.shape[:2], 64)
         return cls(torch.from_numpy(np.concatenate([_nibbles(u & 15), pairs, scales], axis=2)))
 
-    def dequantize(self) -> torch.Tensor:
+    def to_groups(self) -> Int8Groups:
         d = self.data.numpy()
         nb, kb = d.shape[:2]
         pairs = d[:, :, 256:384].reshape(nb, kb, 4, 1, 32)
         high = np.concatenate([(pairs >> (2 * i)) & 3 for i in range(4)], axis=3).reshape(nb, kb, 16, 32)
-        u = from_tile_order(_from_nibbles(d[:, :, :256]) | (high << 4)).astype(np.float32)
+        u = from_tile_order(_from_nibbles(d[:, :, :256]) | (high << 4))
         scale = _from_block_half(d[:, :, 384:].reshape(nb, kb * 2, 32))
-        return (torch.from_numpy(u) - 32) * scale.repeat_interleave(16, dim=1)
+        return Int8Groups((u.astype(np.int16) - 32).astype(np.int8), scale)
 
 
 class AmxInt8Part(_AmxPart):
@@ -214,12 +231,11 @@ class AmxInt8Part(_AmxPart):
         scales = _per_block_half(groups.scale).reshape(nb, kb, 64)  # groups 2b and 2b + 1 of each block
         return cls(torch.from_numpy(np.concatenate([values, scales], axis=2)))
 
-    def dequantize(self) -> torch.Tensor:
+    def to_groups(self) -> Int8Groups:
         d = self.data.numpy()
         nb, kb = d.shape[:2]
         q = from_tile_order(np.ascontiguousarray(d[:, :, :512]).view(np.int8).reshape(nb, kb, 16, 32))
-        scale = _from_block_half(d[:, :, 512:].reshape(nb, kb * 2, 32))
-        return torch.from_numpy(q.astype(np.float32)) * scale.repeat_interleave(16, dim=1)
+        return Int8Groups(q, _from_block_half(d[:, :, 512:].reshape(nb, kb * 2, 32)))
 
 
 Part = Int4Part | Int8Part | AmxInt4Part | AmxInt6Part | AmxInt8Part
@@ -231,6 +247,12 @@ class PackedWeight:
     parts: list[Part]
     # the most rows a call runs packed when a dense copy exists (0: always dense); no dense copy: always packed
     max_rows: int = 0
+    # ... and the fewest rows from which calls run packed again (prefill chunks, where our AMX GEMM wins; 0: never)
+    gemm_rows: int = 0
+
+    def runs_packed(self, rows: int) -> bool:
+        """Whether a call of this many rows runs packed when a dense copy exists too."""
+        return rows <= self.max_rows or 0 < self.gemm_rows <= rows
 
     @property
     def signature(self) -> str:
@@ -249,6 +271,16 @@ class PackedWeight:
         outs = [p.mm(x) for p in self.parts]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y if bias is None else y + bias.to(y.dtype)
+
+    def take_rows(self, rows: np.ndarray) -> PackedWeight | None:
+        """A packed weight of these output rows (same values and kinds), or None when a part cannot be cut (torch's
+        int4 layout is opaque) or the rows span several parts."""
+        if len(self.parts) != 1 or isinstance(self.parts[0], Int4Part):
+            return None
+        part = self.parts[0]
+        if isinstance(part, _AmxPart) and len(rows) % 16:
+            return None
+        return PackedWeight([part.take_rows(rows)], self.max_rows, self.gemm_rows)
 
 
 def merge_groups(groups: list[Groups]) -> list[Groups]:
@@ -313,14 +345,14 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tens
     """The packed product when this call should run packed, else None (the caller runs the dense one).
 
     Dense when: the batch-invariant mode (its kernels fix the reduction order; the packed ones do not),
-    the activations are in another dtype than the packed scales (LayerCast's float32), or the call has
-    more rows than the measured crossover and a dense copy exists."""
+    the activations are in another dtype than the packed scales (LayerCast's float32), or a dense copy exists and
+    the measured crossover says it is faster for this many rows."""
     if packed is None:
         return None
     if weight is None:  # packed only (int4 / int8): engine and requests refuse the modes that need a dense copy
         if invariant:
             raise RuntimeError("the batch-invariant path needs dense weights; this linear keeps only packed ones")
         return packed.mm(x, bias)
-    if invariant or x.dtype != packed.dtype or x.shape[0] > packed.max_rows:
+    if invariant or x.dtype != packed.dtype or not packed.runs_packed(x.shape[0]):
         return None
     return packed.mm(x, bias)

@@ -6,7 +6,9 @@
   copy of the decoder layers: the least memory, but every call runs packed, prefill too.
 - `int8`: packed only, every linear in grouped int8: only files whose linears are all Q8_0 / Q5_0 / Q6_K.
 - `auto` (default): where the file's block type can be held exactly, the packed form for calls with up to
-  the measured crossover rows (decode, short drafts) and a dense copy for the rest (verification, prefill).
+  the measured crossover rows (decode, short drafts, verification) and a dense copy for the rest; where our AMX
+  GEMM over the packed weights also beats the dense one at prefill sizes (64-256 rows, measured), those run
+  packed too, and the dense copy serves the sizes in between and the batch-invariant mode.
   Both are the file's values: the dense copy rounded once to the dtype, the packed form exact for int8 and
   with its int4 group scale and zero rounded to the dtype (exact in float32); on CPUs with AMX our own packed
   forms hold scales in float16 (exact for Q4_0 / Q4_1 / Q8_0 / Q5_0, the K-quants' d * sc rounded at 2^-11).
@@ -35,7 +37,7 @@ from tqdm import tqdm
 from .. import kernels
 from ..config import WEIGHT_FORMATS
 from . import gguf_blocks
-from .crossover import CrossoverCache, cache_path
+from .crossover import GEMM_ROWS, CrossoverCache, cache_path
 from .gguf_loader import _unpermute_rope, hf_name, open_reader, read_metadata
 from .llama import CausalLM
 from .packed import PackedWeight, load_parts, pack, save_parts
@@ -60,6 +62,7 @@ class WeightReport:
     packed_bytes: int = 0
     dense_bytes: int = 0  # every dense weight kept (embeddings, norms, dense copies)
     crossover: dict[str, int] = field(default_factory=dict)  # signature -> rows run packed
+    prefill_packed: int = 0  # linears whose prefill-sized calls run packed too (crossover.GEMM_ROWS)
     kept_dense: dict[str, str] = field(default_factory=dict)  # target -> why it has no packed form
 
     def line(self) -> str:
@@ -67,7 +70,9 @@ class WeightReport:
         rows = sorted(set(self.crossover.values()) - {0})  # 0: left dense, counted as such
         return (f"weight format {self.format}: {self.packed_linears} linears packed ({kinds} parts, "
                 f"{self.packed_bytes / 2**20:.0f} MiB), {self.dense_only_linears} dense only; dense weights kept "
-                f"{self.dense_bytes / 2**20:.0f} MiB; packed for calls of up to {rows} rows")
+                f"{self.dense_bytes / 2**20:.0f} MiB; packed for calls of up to {rows} rows"
+                + (f" and, for {self.prefill_packed} linears, of {GEMM_ROWS[0]} rows or more" if self.prefill_packed
+                   else ""))
 
 
 def _allowed(fmt: str) -> tuple[str, ...]:
@@ -189,9 +194,11 @@ def _pack_from_gguf(net: CausalLM, gguf: Path, fmt: str, dtype: torch.dtype, rep
         packed_only = fmt in ("int4", "int8") and name != "lm_head.weight"
         if not packed_only:  # (timing a packed-only linear would also page its unused dense weights in)
             dense = net.get_parameter("embed.weight" if name == "lm_head.weight" and net.lm_head is None else name)
-            packed.max_rows = crossover.rows(packed, dense.data)
+            cross = crossover.get(packed, dense.data)
+            packed.max_rows, packed.gemm_rows = cross.max_rows, cross.gemm_rows
             report.crossover[packed.signature] = packed.max_rows
-        if packed.max_rows == 0 and not packed_only:  # never faster here: keep the memory
+            report.prefill_packed += bool(packed.gemm_rows)
+        if packed.max_rows == 0 and packed.gemm_rows == 0 and not packed_only:  # never faster here: keep the memory
             report.kept_dense[name] = "packed kernel slower than dense at every row count on this machine"
             report.dense_only_linears += 1
             continue

@@ -26,6 +26,7 @@ from ..request import Request
 from ..runner import ModelRunner, SeqInput
 from ..sampler import SamplingBatch, processed_probs, sample
 from .acceptance import AdaptiveThresholds, entropy
+from .draft_vocab import DraftVocabulary
 from .policies import DRAFT_DISTRIBUTION_POLICIES, STOPS_DRAFTING
 from .proposer import Draft, Proposer
 
@@ -58,6 +59,7 @@ class DraftModelProposer(Proposer):
         self.thresholds = thresholds or AdaptiveThresholds.fresh()  # AdaSD's, shared with the engine
         self.computed: dict[str, int] = {}
         self.pending: dict[str, _Pending] = {}
+        self.vocab: DraftVocabulary | None = None  # a cut draft vocabulary (draft_vocab.py); None: the full head
 
     @classmethod
     def for_model(cls, loaded: LoadedModel, num_blocks: int, block_size: int, dtype: torch.dtype, device: str,
@@ -109,10 +111,11 @@ class DraftModelProposer(Proposer):
                 else:
                     items.append(SeqInput(req.request_id, [drafts[i].tokens[-1]], req.num_tokens + step - 1, 1))
             started = time.perf_counter()
-            logits = self.runner.run(items).logits
+            out = self.runner.run(items, logits=self.vocab is None)
+            reqs = [requests[i] for i in live]
+            logits = out.logits if self.vocab is None else self.vocab.logits(out.hidden, reqs)
             if step > 0:  # a one-token step: what one more draft token costs (step 0 also catches up)
                 self.thresholds.observe_costs(draft_step_s=time.perf_counter() - started)
-            reqs = [requests[i] for i in live]
             batch = SamplingBatch.build([r.params for r in reqs], [r.generator for r in reqs], logits.shape[-1],
                                         device=logits.device)
             probs = processed_probs(logits, batch)
@@ -155,6 +158,13 @@ class DraftModelProposer(Proposer):
     def catch_up_tokens(self, request: Request) -> int:
         return request.num_tokens - self.computed.get(request.request_id, 0)
 
+    def forget(self, request_id: str) -> None:
+        """Drop what this proposer tracks for a finished request (not its KV blocks)."""
+        self.pending.pop(request_id, None)
+        self.computed.pop(request_id, None)
+        if self.vocab is not None:
+            self.vocab.free(request_id)
+
     def on_verified(self, request: Request, num_accepted: int) -> None:
         rid = request.request_id
         pending = self.pending.pop(rid, None)
@@ -171,7 +181,6 @@ class DraftModelProposer(Proposer):
             self.blocks.truncate(rid, self.computed[rid])
 
     def free(self, request_id: str) -> None:
-        self.pending.pop(request_id, None)
-        self.computed.pop(request_id, None)
+        self.forget(request_id)
         if self.blocks.has_seq(request_id):
             self.blocks.free(request_id)

@@ -7,8 +7,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import HEAD_METHODS, SpeculativeConfig
+from ..models.llama import CausalLM
 from ..models.loader import load_model
+from ..models.tokenizer import Tokenizer
 from .draft_model import DraftModelProposer, check_same_vocabulary
+from .draft_vocab import DraftVocabulary, resolve_size
 from .eagle import EagleDraft
 from .head_proposer import EagleProposer, HeadProposer, TreeDrafter
 from .heads import DraftHeads, head_path, read_head_file
@@ -38,7 +41,8 @@ def build_proposer(spec: SpeculativeConfig, engine: LLMEngine, progress: bool = 
             log.info("layer-skip draft skips layers %s (searched: acceptance %.2f, cost %.2f of a step)",
                      plan.skip, plan.agreement, plan.cost_fraction)
             skip = plan.skip
-        return LayerSkipProposer(engine.runner, skip, engine.adaptive_thresholds)
+        proposer: DraftModelProposer = LayerSkipProposer(engine.runner, skip, engine.adaptive_thresholds)
+        return _with_vocabulary(proposer, spec, engine.loaded.model, engine.tokenizer)
     assert spec.model is not None
     draft = load_model(spec.model, engine.dtype, engine.config.device, progress=progress,
                        weight_format=engine.config.weight_format)
@@ -46,8 +50,17 @@ def build_proposer(spec: SpeculativeConfig, engine: LLMEngine, progress: bool = 
     if draft.config.vocab_size != engine.model_config.vocab_size:
         raise ValueError(f"draft model {spec.model!r} has {draft.config.vocab_size} embedding rows, the target "
                          f"{engine.model_config.vocab_size}: their logits cannot be compared")
-    return DraftModelProposer.for_model(draft, engine.kv.num_blocks, engine.config.block_size, engine.dtype,
-                              engine.config.device, engine.adaptive_thresholds)
+    proposer = DraftModelProposer.for_model(draft, engine.kv.num_blocks, engine.config.block_size, engine.dtype,
+                                            engine.config.device, engine.adaptive_thresholds)
+    return _with_vocabulary(proposer, spec, draft.model, draft.tokenizer)
+
+
+def _with_vocabulary(proposer: DraftModelProposer, spec: SpeculativeConfig, model: CausalLM,
+                     tokenizer: Tokenizer) -> DraftModelProposer:
+    size = resolve_size(spec.draft_vocab_size, model.cfg.vocab_size)
+    if size is not None:
+        proposer.vocab = DraftVocabulary.for_model(model, tokenizer, size)
+    return proposer
 
 
 def _head_proposer(spec: SpeculativeConfig, engine: LLMEngine) -> TreeDrafter:

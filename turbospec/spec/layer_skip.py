@@ -88,5 +88,4 @@ class LayerSkipProposer(DraftModelProposer):
         self.pending.pop(request.request_id, None)
 
     def free(self, request_id: str) -> None:
-        self.pending.pop(request_id, None)
-        self.computed.pop(request_id, None)
+        self.forget(request_id)
