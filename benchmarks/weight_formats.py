@@ -7,7 +7,8 @@ and HumanEval tasks (the task's prompt pre-filled in a code fence, as the other 
   benchmarks/peers/llama_cpp_runner.py says how);
 - turbospec plain in each weight format (bf16, int4, auto; auto also without our AMX kernels), with its best
   speculative settings (draft model and prompt lookup, k fixed) and with the goodput controller choosing k
-  (auto weights);
+  (auto weights; for the draft model and for prompt lookup);
+- the prefill's share: every single-stream row runs its prompts again for one token each;
 - 16 concurrent requests: output tokens/s of turbospec (continuous batching) against llama.cpp's Python API, which
   decodes one sequence at a time (so does its server).
 Every row runs in its own process, so each row's peak resident memory is its own. One profile of a plain
@@ -38,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 DRAFT = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 SINGLE = ("hf-plain", "hf-prompt-lookup", "llama.cpp-plain", "llama.cpp-prompt-lookup", "turbospec-bf16",
           "turbospec-int4", "turbospec-auto", "turbospec-auto-noamx", "turbospec-pld-k4", "turbospec-sps-k4",
-          "turbospec-adaptive")
+          "turbospec-sps-auto", "turbospec-adaptive")
 NO_AMX = "-noamx"  # rows run with TURBOSPEC_NO_AMX=1: torch's int4 and our AVX-512 int8 kernel, side by side
 CONCURRENT = ("llama.cpp-16", "turbospec-auto-16", "turbospec-adaptive-16")
 
@@ -53,6 +54,8 @@ def turbospec_options(row: str, model: str) -> tuple[str, dict[str, Any] | None]
         return "auto", None
     if row == "turbospec-pld-k4":
         return "auto", {"method": "ngram", "num_speculative_tokens": 4}
+    if row == "turbospec-sps-auto":  # the goodput controller picks k for the draft model, 0 where it does not pay
+        return "auto", {"method": "draft", "model": DRAFT[model], "num_speculative_tokens": "auto"}
     if row == "turbospec-sps-k4":
         return "auto", {"method": "draft", "model": DRAFT[model], "num_speculative_tokens": 4}
     if row == "turbospec-adaptive":
@@ -99,8 +102,14 @@ def run_turbospec(job: dict[str, Any]) -> dict[str, Any]:
                 seconds += time.perf_counter() - start
                 outputs.append(out.outputs[0].token_ids)
             stats = llm.spec_stats()
+            prefill = 0.0  # the same prompts again, one token each: the prefill's share of `seconds`
+            for ids in sets:
+                start = time.perf_counter()
+                llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+                prefill += time.perf_counter() - start
             result["sets"][name] = {"outputs": outputs, "seconds": seconds, "tokens": sum(map(len, outputs)),
-                                    "tau": stats.get("mean_accepted_length") or None, "mean_k": stats.get("mean_k")}
+                                    "tau": stats.get("mean_accepted_length") or None, "mean_k": stats.get("mean_k"),
+                                    "prefill_seconds": prefill}
     if job.get("profile"):
         result["profile"] = profile_decode(llm, job["sets"]["humaneval"][0])
     result["peak_rss_mib"] = peak_rss_mib()
@@ -169,11 +178,13 @@ def run_llama_cpp(job: dict[str, Any], python: str, tmp: Path) -> dict[str, Any]
         spec = tmp / f"{job['row']}-{name}.json"
         out = tmp / f"{job['row']}-{name}.out.json"
         spec.write_text(json.dumps({"gguf": gguf, "prompts": prompts, "max_tokens": job["max_tokens"],
-                                    "threads": job["threads"], "mode": mode, "k": 4}))
+                                    "threads": job["threads"], "mode": mode, "k": 4,
+                                    "measure_prefill": name != "concurrent-16"}))
         subprocess.run([python, str(ROOT / "peers" / "llama_cpp_runner.py"), str(spec), str(out)], check=True)
         got = json.loads(out.read_text())
         seconds = got["wall_seconds"] if name == "concurrent-16" else got["seconds"]
-        result["sets"][name] = {"seconds": seconds, "tokens": got["tokens"], "tau": None}
+        result["sets"][name] = {"seconds": seconds, "tokens": got["tokens"], "tau": None,
+                                "prefill_seconds": got.get("prefill_seconds")}
         peak = max(peak, got["peak_rss_mib"])
     result["peak_rss_mib"] = peak
     return result
@@ -212,8 +223,10 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
              f"{meta['date']}, commit {meta['commit']}",
              f"- single stream, greedy, chat template, at most {meta['max_tokens']} tokens, {meta['prompts']} MT-Bench "
              "first turns + the same number of HumanEval tasks; 16 concurrent: 8 of each, at once", "",
+             "prefill s: the same prompts run again for one token each, the prefill's share of the time (all prompts)",
+             "",
              "| row | MT-Bench tok/s | HumanEval tok/s | tau MT / HE | mean k MT / HE | vs llama.cpp plain MT / HE "
-             "| peak RSS MiB |", "|---|---|---|---|---|---|---|"]
+             "| prefill s MT / HE | peak RSS MiB |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "concurrent-16" in r["sets"]:
             continue
@@ -222,7 +235,10 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         mean_k = " / ".join(f"{k:.1f}" if (k := r["sets"][n].get("mean_k")) is not None else "-"
                             for n in ("mt-bench", "humaneval"))
         vs = (f"{mt / tok_s(ref, 'mt-bench'):.2f}x / {he / tok_s(ref, 'humaneval'):.2f}x" if ref else "-")
-        lines.append(f"| {r['row']} | {mt:.2f} | {he:.2f} | {tau} | {mean_k} | {vs} | {r['peak_rss_mib']:.0f} |")
+        prefill = " / ".join(f"{p:.1f}" if (p := r["sets"][n].get("prefill_seconds")) else "-"
+                             for n in ("mt-bench", "humaneval"))
+        lines.append(f"| {r['row']} | {mt:.2f} | {he:.2f} | {tau} | {mean_k} | {vs} | {prefill} | "
+                     f"{r['peak_rss_mib']:.0f} |")
     conc = [r for r in rows if "concurrent-16" in r["sets"]]
     if conc:
         base = next((r for r in conc if r["row"] == "llama.cpp-16"), None)

@@ -1,8 +1,8 @@
 """llama.cpp on the same prompts, run by a Python that has llama-cpp-python (the benchmark's peer only).
 
-Reads a JSON job {gguf, prompts: [[token ids]], max_tokens, threads, mode: plain|prompt-lookup|sequential16}
-from argv[1] and writes {outputs, seconds, tokens, peak_rss_mib} to argv[2]. Standard library + llama_cpp
-only: it runs in its own virtual environment. How that environment is built (from the sdist, as
+Reads a JSON job {gguf, prompts: [[token ids]], max_tokens, threads, mode: plain|prompt-lookup, measure_prefill}
+from argv[1] and writes {outputs, seconds, prefill_seconds, tokens, peak_rss_mib} to argv[2]. Standard library +
+llama_cpp only: it runs in its own virtual environment. How that environment is built (from the sdist, as
 REFERENCE.md section 7 says; a prebuilt wheel dies with SIGILL on this CPU):
 
     python3.11 -m venv /tmp/llamacpp-venv
@@ -52,7 +52,15 @@ def main() -> None:
         seconds += time.perf_counter() - start
         outputs.append(out["usage"]["completion_tokens"])
         print(f"llama.cpp {job['mode']}: {sum(outputs)} tokens, {sum(outputs) / seconds:.2f} tok/s", flush=True)
-    result = {"tokens_per_prompt": outputs, "seconds": seconds, "wall_seconds": time.perf_counter() - start_all,
+    wall = time.perf_counter() - start_all
+    prefill = 0.0  # the same prompts again, one token each: the prefill's share of `seconds`
+    if job.get("measure_prefill", True):
+        for ids in job["prompts"]:
+            llm.reset()
+            start = time.perf_counter()
+            llm.create_completion(prompt=ids, max_tokens=1, temperature=0.0, top_k=1)
+            prefill += time.perf_counter() - start
+    result = {"tokens_per_prompt": outputs, "seconds": seconds, "wall_seconds": wall, "prefill_seconds": prefill,
               "tokens": sum(outputs), "peak_rss_mib": peak_rss_mib()}
     open(sys.argv[2], "w").write(json.dumps(result))
 
