@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from turbospec.models.loader import load_model
-from turbospec.spec.draft_vocab import AUTO_SIZE, DraftVocabulary, frequent_tokens, resolve_size, token_counts
+from turbospec.spec.draft_vocab import (AUTO_SIZE, DraftVocabulary, VocabHead, frequent_tokens, resolve_size,
+                                       token_counts)
 
 MODEL = "smollm2-135m"
 
@@ -68,3 +69,22 @@ def test_logits_are_the_full_heads_on_kept_and_request_tokens_and_minus_inf_else
     assert torch.isfinite(vocab.logits(hidden, reqs)[1, rare[0]])
     vocab.free("b")
     assert "b" not in vocab.context
+
+
+def test_a_vocab_head_runs_the_files_packed_rows_and_matches_the_dense_ones():
+    """Heads (Medusa, Hydra, EAGLE) and cut draft vocabularies score their tokens on the LM head's packed rows."""
+    loaded = load_model(MODEL, "bfloat16", progress=False, weight_format="auto")
+    model = loaded.model
+    assert model.lm_head_packed is not None  # SmolLM2's Q8_0 head: amx-int8, or our AVX-512 int8 without AMX
+    weight = model.embed.weight
+    ids = torch.arange(0, 32 * 16 * 7, 7)  # 512 ids, a multiple of 16
+    head = VocabHead(weight, ids, model.lm_head_packed)
+    assert head.packed is not None and head.packed.parts[0].out_features == len(ids)
+    x = torch.randn(3, loaded.config.hidden_size).to(torch.bfloat16)
+    want = torch.nn.functional.linear(x.float(), weight[ids].float())
+    got = head(x)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    assert torch.equal(head(x.unsqueeze(0))[0], got)  # any leading dims
+    float_head = VocabHead(weight, ids, model.lm_head_packed)
+    torch.testing.assert_close(float_head(x.float()), want, rtol=1e-2, atol=1e-2)  # other dtype: dense rows

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..models.layers import row_linear
 from ..models.llama import CausalLM
@@ -94,6 +95,25 @@ def frequent_tokens(tokenizer: Tokenizer, vocab_size: int, size: int) -> torch.T
     return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
+class VocabHead:
+    """An LM head restricted to some token ids (a draft vocabulary): logits [..., len(ids)] in float32, in the
+    order of `ids`. Runs the file's own packed values where the head has a packed form that can be cut
+    (`PackedWeight.take_rows`, the same values in fewer bytes), dense rows otherwise (other dtypes, training)."""
+
+    def __init__(self, weight: torch.Tensor, ids: torch.Tensor, packed: PackedWeight | None = None) -> None:
+        self.weight = weight
+        self.ids = ids
+        self.packed = None if packed is None else packed.take_rows(ids.numpy())
+        self._dense: torch.Tensor | None = None if self.packed is not None else weight[ids].detach()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.dtype == self.packed.dtype and not x.requires_grad:
+            return self.packed.mm(x.reshape(-1, x.shape[-1])).float().reshape(*x.shape[:-1], -1)
+        if self._dense is None:  # made on first use: a packed head keeps no dense copy until one is needed
+            self._dense = self.weight[self.ids].detach()
+        return F.linear(x.to(self._dense.dtype), self._dense).float()
+
+
 @dataclass
 class _ContextTokens:
     """A request's tokens outside the subset and their dense head rows."""
@@ -110,8 +130,7 @@ class DraftVocabulary:
         self.ids = ids
         self.vocab_size = weight.shape[0]
         self.weight = weight  # the full dense head: requests' extra rows come from it
-        self.packed = packed  # the subset's rows in the file's packed form, when the head has one that can be cut
-        self._sub_weight: torch.Tensor | None = None  # their dense rows, made when a call runs dense
+        self.head = VocabHead(weight, ids, packed)  # `packed`: the full head's packed form, if any
         self.in_subset = torch.zeros(self.vocab_size, dtype=torch.bool)
         self.in_subset[ids] = True
         self.context: dict[str, _ContextTokens] = {}
@@ -119,11 +138,10 @@ class DraftVocabulary:
     @classmethod
     def for_model(cls, model: CausalLM, tokenizer: Tokenizer, size: int) -> DraftVocabulary:
         weight = model.embed.weight if model.lm_head is None else model.lm_head.weight
-        ids = frequent_tokens(tokenizer, weight.shape[0], size)
-        packed = None if model.lm_head_packed is None else model.lm_head_packed.take_rows(ids.numpy())
-        log.info("draft vocabulary: %d of %d tokens (+ each request's own), head %s", len(ids), weight.shape[0],
-                 "packed" if packed is not None else "dense")
-        return cls(ids, weight, packed)
+        vocab = cls(frequent_tokens(tokenizer, weight.shape[0], size), weight, model.lm_head_packed)
+        log.info("draft vocabulary: %d of %d tokens (+ each request's own), head %s", len(vocab.ids),
+                 weight.shape[0], "packed" if vocab.head.packed is not None else "dense")
+        return vocab
 
     def _context(self, req: Request) -> _ContextTokens:
         ctx = self.context.setdefault(req.request_id, _ContextTokens())
@@ -142,14 +160,8 @@ class DraftVocabulary:
 
     def logits(self, hidden: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """[B, V] float32 logits for hidden [B, H] (row b drafts for requests[b])."""
-        if self.packed is not None and hidden.dtype == self.packed.dtype:
-            sub = self.packed.mm(hidden)
-        else:  # no packed head, or activations in another dtype (LayerCast's float32)
-            if self._sub_weight is None:
-                self._sub_weight = self.weight[self.ids].contiguous()
-            sub = row_linear(hidden, self._sub_weight)
         out = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), device=hidden.device)
-        out.index_copy_(1, self.ids, sub.float())
+        out.index_copy_(1, self.ids, self.head(hidden))
         for row, req in enumerate(requests):
             ctx = self._context(req)
             if ctx.rows is not None:

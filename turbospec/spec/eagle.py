@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.packed import PackedWeight
+from .draft_vocab import VocabHead
 from .heads import read_head_file, save_head_file
 
 HEAD_DIM = 64
@@ -74,11 +76,13 @@ class EagleDraft(nn.Module):
         for w in (self.o, self.down):
             nn.init.zeros_(w.weight)
         self.register_buffer("vocab", vocab.long(), persistent=False)
-        self.lm_weight: torch.Tensor | None = None
+        self.lm_head: VocabHead | None = None  # the LM head's draft-vocabulary rows
         self.embed_weight: torch.Tensor | None = None
 
-    def attach(self, lm_weight: torch.Tensor, embed_weight: torch.Tensor) -> EagleDraft:
-        self.lm_weight = lm_weight.detach()[self.vocab]
+    def attach(self, lm_weight: torch.Tensor, embed_weight: torch.Tensor, lm_packed: PackedWeight | None = None
+               ) -> EagleDraft:
+        """The target's LM head (and its packed form: the draft vocabulary's rows then run packed) and embedding."""
+        self.lm_head = VocabHead(lm_weight.detach(), self.vocab, lm_packed)
         self.embed_weight = embed_weight.detach()
         return self
 
@@ -108,8 +112,8 @@ class EagleDraft(nn.Module):
         return x + self.down(F.silu(gate) * up), (k, v)
 
     def logits(self, outputs: torch.Tensor) -> torch.Tensor:
-        assert self.lm_weight is not None, "attach() the target's tensors first"
-        return F.linear((_rms(outputs) * self.norm_out).to(self.lm_weight.dtype), self.lm_weight).float()
+        assert self.lm_head is not None, "attach() the target's tensors first"
+        return self.lm_head(_rms(outputs) * self.norm_out)
 
     def save(self, path: Path, extra: dict[str, object]) -> None:
         save_head_file(path, self, asdict(self.config), extra)

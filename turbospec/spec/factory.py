@@ -82,12 +82,12 @@ def _head_proposer(spec: SpeculativeConfig, engine: LLMEngine) -> TreeDrafter:
     lm_weight = model.embed.weight if model.lm_head is None else model.lm_head.weight
     if spec.method == "eagle":
         draft, _ = EagleDraft.load(path, engine.dtype)
-        draft.attach(lm_weight, model.embed.weight)
+        draft.attach(lm_weight, model.embed.weight, model.lm_head_packed)
         log.info("eagle draft (window %d, depth %d, %d draft tokens) from %s", draft.config.window,
                  draft.config.depth, len(draft.vocab), path)
         return EagleProposer(draft, branch=spec.tree_branch, beam=spec.tree_branch)
     heads, _ = DraftHeads.load(path, engine.dtype)
-    heads.attach(lm_weight, model.embed.weight)
+    heads.attach(lm_weight, model.embed.weight, model.lm_head_packed)
     log.info("%s: %d heads (rank %d, %d draft tokens) from %s", spec.method, heads.config.num_heads,
              heads.config.rank, len(heads.vocab), path)
     return HeadProposer(heads, branch=spec.tree_branch, beam=spec.tree_branch)

@@ -25,6 +25,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..models.packed import PackedWeight
+from .draft_vocab import VocabHead
+
 HEAD_METHODS = ("medusa", "hydra")
 HEADS_DIR = Path(__file__).resolve().parents[2] / "heads"
 
@@ -58,11 +61,13 @@ class DraftHeads(nn.Module):
             nn.init.zeros_(w.bias)
         self.register_buffer("vocab", vocab.long(), persistent=False)
         # the target's tensors, attached after loading (plain tensors, so never trained or saved)
-        self.lm_weight: torch.Tensor | None = None  # [len(vocab), H]: the LM head's draft-vocabulary rows
+        self.lm_head: VocabHead | None = None  # the LM head's draft-vocabulary rows
         self.embed_weight: torch.Tensor | None = None  # [V, H]: the input embedding (Hydra)
 
-    def attach(self, lm_weight: torch.Tensor, embed_weight: torch.Tensor) -> DraftHeads:
-        self.lm_weight = lm_weight.detach()[self.vocab]
+    def attach(self, lm_weight: torch.Tensor, embed_weight: torch.Tensor, lm_packed: PackedWeight | None = None
+               ) -> DraftHeads:
+        """The target's LM head (and its packed form: the draft vocabulary's rows then run packed) and embedding."""
+        self.lm_head = VocabHead(lm_weight.detach(), self.vocab, lm_packed)
         self.embed_weight = embed_weight.detach()
         return self
 
@@ -80,8 +85,8 @@ class DraftHeads(nn.Module):
         return z + self.w2[i](F.silu(self.w1[i](torch.cat([z, e], dim=-1))))
 
     def logits(self, z: torch.Tensor) -> torch.Tensor:
-        assert self.lm_weight is not None, "attach() the target's LM head first"
-        return F.linear(z.to(self.lm_weight.dtype), self.lm_weight).float()
+        assert self.lm_head is not None, "attach() the target's LM head first"
+        return self.lm_head(z)
 
     def save(self, path: Path, extra: dict[str, object]) -> None:
         save_head_file(path, self, asdict(self.config), extra)
