@@ -10,8 +10,14 @@ import pytest
 import torch
 
 from turbospec.models.loader import load_model
-from turbospec.spec.draft_vocab import (AUTO_SIZE, DraftVocabulary, VocabHead, frequent_tokens, resolve_size,
-                                       token_counts)
+from turbospec.spec.draft_vocab import (
+    AUTO_SIZE,
+    DraftVocabulary,
+    VocabHead,
+    frequent_tokens,
+    resolve_size,
+    token_counts,
+)
 
 MODEL = "smollm2-135m"
 
