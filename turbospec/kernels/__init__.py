@@ -114,5 +114,11 @@ def amx_available() -> bool:
 
 def amx_op(kind: str) -> Any:
     """The operator for `kind` (amx-int4, amx-int6, amx-int8: the parts in `models.packed`): op(x, data) is
-    bf16 x [M, K] @ W^T for W in that kind's record layout, in bf16. Only where `amx_available()`."""
+    bf16 x [M, K] @ W^T for W in that kind's record layout, in bf16. Runs only where `amx_available()`; where the
+    kernels could not be built, a stand-in that says so when called (a part's layout still works without them)."""
+    if load() is None:
+        def unavailable(*_: Any) -> torch.Tensor:
+            raise RuntimeError(f"{kind} parts need the compiled kernels, which are unavailable: {_failure}")
+
+        return unavailable
     return getattr(torch.ops.turbospec, kind.replace("-", "_") + "_mm")
