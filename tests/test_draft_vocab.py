@@ -58,7 +58,7 @@ def test_the_kept_tokens_are_the_most_frequent_plus_the_special_ones(loaded):
 def test_logits_are_the_full_heads_on_kept_and_request_tokens_and_minus_inf_elsewhere(loaded):
     model = loaded.model
     vocab = DraftVocabulary.for_model(model, loaded.tokenizer, 256)
-    kept = set(vocab.ids.tolist())
+    kept = set(vocab.head.ids.tolist())
     rare = [t for t in range(loaded.config.vocab_size - 1, 0, -1) if t not in kept][:3]
     reqs = [_Request("a", [1, 2, rare[0], rare[1]]), _Request("b", [rare[2]])]
     hidden = torch.randn(2, loaded.config.hidden_size)
@@ -92,5 +92,6 @@ def test_a_vocab_head_runs_the_files_packed_rows_and_matches_the_dense_ones():
     assert got.shape == want.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
     assert torch.equal(head(x.unsqueeze(0))[0], got)  # any leading dims
-    float_head = VocabHead(weight, ids, model.lm_head_packed)
-    torch.testing.assert_close(float_head(x.float()), want, rtol=1e-2, atol=1e-2)  # other dtype: dense rows
+    assert head._dense is None  # no dense copy until a call needs one
+    torch.testing.assert_close(head(x.float()), want, rtol=1e-2, atol=1e-2)  # another dtype: dense rows
+    assert head._dense is not None

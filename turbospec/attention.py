@@ -195,7 +195,8 @@ def paged_attention(
 # sequences (16 decodes at 400 tokens of context: 0.66 ms against 0.93 ms for SDPA in bf16), while for long
 # prefill chunks its flash kernel wins (512 queries: 4.4 ms against 15.7 ms for the matmuls), and so it does for
 # a group of one sequence (one decode at 320 tokens, 12 heads of 128 over 2 KV heads: 47 us against 113 us;
-# with 5 queries 109 against 163): a single stream runs SDPA. (torch 2.13, this Xeon, 2 threads.)
+# with 5 queries 109 against 163): a single stream runs SDPA. (torch 2.13, this Xeon, 2 threads; ad hoc
+# microbenchmarks, not a committed run.)
 SHORT_QUERY = 16
 
 

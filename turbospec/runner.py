@@ -23,7 +23,7 @@ class ModelOutput:
     """Logits (float32) for the rows that are sampled or verified: for each scheduled request that reaches
     the end of its known tokens, 1 + (number of draft tokens) consecutive rows starting at row_start[i]."""
 
-    logits: torch.Tensor  # [R, V] (None when the caller asked for hidden states only)
+    logits: torch.Tensor | None  # [R, V]; None when the caller asked for hidden states only
     hidden: torch.Tensor  # [R, H], the same rows before the LM head (for draft heads)
     row_start: list[int]  # per scheduled request, or -1 when it samples nothing this step
     num_rows: list[int]

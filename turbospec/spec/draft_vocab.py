@@ -127,10 +127,8 @@ class DraftVocabulary:
     """Scores a draft's hidden states over the subset plus each request's own tokens; -inf elsewhere."""
 
     def __init__(self, ids: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None) -> None:
-        self.ids = ids
+        self.head = VocabHead(weight, ids, packed)  # the subset; `weight` (dense) also gives requests' extra rows
         self.vocab_size = weight.shape[0]
-        self.weight = weight  # the full dense head: requests' extra rows come from it
-        self.head = VocabHead(weight, ids, packed)  # `packed`: the full head's packed form, if any
         self.in_subset = torch.zeros(self.vocab_size, dtype=torch.bool)
         self.in_subset[ids] = True
         self.context: dict[str, _ContextTokens] = {}
@@ -139,7 +137,7 @@ class DraftVocabulary:
     def for_model(cls, model: CausalLM, tokenizer: Tokenizer, size: int) -> DraftVocabulary:
         weight = model.embed.weight if model.lm_head is None else model.lm_head.weight
         vocab = cls(frequent_tokens(tokenizer, weight.shape[0], size), weight, model.lm_head_packed)
-        log.info("draft vocabulary: %d of %d tokens (+ each request's own), head %s", len(vocab.ids),
+        log.info("draft vocabulary: %d of %d tokens (+ each request's own), head %s", len(vocab.head.ids),
                  weight.shape[0], "packed" if vocab.head.packed is not None else "dense")
         return vocab
 
@@ -152,7 +150,7 @@ class DraftVocabulary:
             known = set(ctx.ids)
             fresh = [t for t in new.tolist() if t not in known]
             if fresh:
-                rows = self.weight[torch.tensor(fresh)]
+                rows = self.head.weight[torch.tensor(fresh)]
                 ctx.rows = rows if ctx.rows is None else torch.cat([ctx.rows, rows])
                 ctx.ids += fresh
             ctx.scanned = len(tokens)
@@ -161,7 +159,7 @@ class DraftVocabulary:
     def logits(self, hidden: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """[B, V] float32 logits for hidden [B, H] (row b drafts for requests[b])."""
         out = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), device=hidden.device)
-        out.index_copy_(1, self.ids, self.head(hidden))
+        out.index_copy_(1, self.head.ids, self.head(hidden))
         for row, req in enumerate(requests):
             ctx = self._context(req)
             if ctx.rows is not None:
