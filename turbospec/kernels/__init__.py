@@ -1,5 +1,6 @@
 """Our own compiled CPU kernels, built on first use with torch's extension builder: the grouped int8 matmul
-(AVX-512) and the AMX products for grouped int4 / int8 weights (`amx_grouped.cpp`, used where the CPU has AMX).
+(AVX-512), the AMX products for grouped int4 / int8 weights (`amx_grouped.cpp`, used where the CPU has AMX) and
+fused bf16 RMSNorm / rotary operators (`fused_ops.cpp`, used by models/layers.py).
 
 The build needs a C++ compiler and ninja; it is cached in `turbospec/kernels/_build`, and `make setup`
 runs it once (`python -m turbospec.kernels`). When it cannot be built (no compiler, another OS) or
@@ -21,7 +22,7 @@ import torch
 
 log = logging.getLogger("turbospec.kernels")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("grouped_int8.cpp", "amx_grouped.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("grouped_int8.cpp", "amx_grouped.cpp", "fused_ops.cpp")]
 GROUP = 16
 _module: Any = None
 _failure: str | None = None
@@ -122,3 +123,12 @@ def amx_op(kind: str) -> Any:
 
         return unavailable
     return getattr(torch.ops.turbospec, kind.replace("-", "_") + "_mm")
+
+
+def fused_ops() -> Any:
+    """`torch.ops.turbospec` when the fused bf16 operators (rms_norm, add_rms_norm, rotary) can run, else None
+    (kernels not built, or switched off with TURBOSPEC_NO_FUSED=1 for side-by-side measurements)."""
+    return None if _NO_FUSED else load()
+
+
+_NO_FUSED = os.environ.get("TURBOSPEC_NO_FUSED") == "1"  # read once: the layers ask on every call

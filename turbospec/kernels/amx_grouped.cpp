@@ -411,60 +411,100 @@ TS_TARGET void run_range_gemm(int kind, const uint16_t* x, int64_t k, const uint
   _tile_release();
 }
 
-// One row (decode, draft steps): AVX512-BF16 dot products instead of tiles. A tile row (16 outputs x an input
-// pair) times the broadcast pair of x is one vdpbf16ps, so the expanded weights never leave registers / L1 and
-// no product tile is stored per group; the core runs further ahead and keeps more memory reads in flight.
-// (An ad hoc A/B against the tile path, decode steps taking turns in one process, favoured it by about a tenth
-// of a step on both qwen2.5-coder models; not a committed benchmark.)
-template <int BLOCKS, int KIND>
-TS_TARGET void run_blocks_row(const uint16_t* x, const float* xsum, const uint8_t* w, int64_t nb0, int64_t groups,
-                              uint16_t* y) {
+// Few rows (decode, draft steps, a draft model's two-token catch-up): AVX512-BF16 dot products instead of tiles.
+// A tile row (16 outputs x an input pair) times the broadcast pair of x is one vdpbf16ps, so the expanded weights
+// never leave L1 and no product tile is stored and read back per group. Its arithmetic grows by 16 dot products
+// per row and 512 weights, the tiles' hardly at all, so it pays only for very few rows: ad hoc timings on the
+// 2-core Xeon this was written on (cold weights, 2 threads) put one row here at memory speed (18-23 GB/s, the
+// tiles slower), two rows of int6 at 0.75-0.8x the tiles' time (two int4 rows equal, whose tiles need half as
+// many products) and five rows at 1.7-2x the tiles'. Each row is computed by the same operations in the same
+// order whatever the other rows, so a row's result does not depend on how many rows share the call.
+constexpr int kVectorRows[3] = {1, 2, 1};  // per kind: int4, int6, int8
+constexpr int kChunk = 4;  // rows whose sums are live at once (4 per row: 16 of the 32 vector registers)
+
+// COUNT (<= kChunk) rows against one expanded block: out[r] (16 outputs) += this group's contribution. COUNT is
+// a constant so that the sums stay in registers.
+template <int KIND, int COUNT>
+TS_TARGET inline void rows_against_block(const uint16_t* wbuf, const uint8_t* record, const uint32_t* pairs,
+                                         int64_t pair_stride, const float* xsum, int64_t xsum_stride, float* out) {
+  // two sums per half and row (tile rows taken in turn) so each multiply-add does not wait for the one before
+  __m512 part[COUNT][2][2];
+  for (int c = 0; c < COUNT; ++c)
+    for (int h = 0; h < 2; ++h) part[c][h][0] = part[c][h][1] = _mm512_setzero_ps();
+  for (int r = 0; r < 16; ++r) {
+    const __m512i row = _mm512_load_si512(wbuf + 32 * r);
+#pragma GCC unroll 4
+    for (int c = 0; c < COUNT; ++c) {
+      const __m512i xp = _mm512_set1_epi32(static_cast<int>(pairs[c * pair_stride + r]));
+      part[c][r / 8][r & 1] = _mm512_dpbf16_ps(part[c][r / 8][r & 1], (__m512bh)row, (__m512bh)xp);
+    }
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < COUNT; ++c) {
+    const __m512 lo = _mm512_add_ps(part[c][0][0], part[c][0][1]), hi = _mm512_add_ps(part[c][1][0], part[c][1][1]);
+    __m512 o = _mm512_load_ps(out + 16 * c);
+    if (KIND == kInt8) {  // scales already in the weights
+      o = _mm512_add_ps(o, _mm512_add_ps(lo, hi));
+    } else if (KIND == kInt4) {  // one group of 32
+      const __m512 sv = load_half(record + 256);
+      const __m512 cv = _mm512_fmadd_ps(_mm512_set1_ps(-128.f), sv, load_half(record + 288));
+      o = _mm512_fmadd_ps(sv, _mm512_add_ps(lo, hi), o);
+      o = _mm512_fmadd_ps(cv, _mm512_set1_ps(xsum[c * xsum_stride]), o);
+    } else {  // two groups of 16: rows 0..7 and 8..15
+      const __m512 sa = load_half(record + 384), sb = load_half(record + 416);
+      o = _mm512_fmadd_ps(sa, lo, o);
+      o = _mm512_fmadd_ps(sb, hi, o);
+      const __m512 minus160 = _mm512_set1_ps(-160.f);
+      o = _mm512_fmadd_ps(_mm512_mul_ps(minus160, sa), _mm512_set1_ps(xsum[c * xsum_stride]), o);
+      o = _mm512_fmadd_ps(_mm512_mul_ps(minus160, sb), _mm512_set1_ps(xsum[c * xsum_stride + 1]), o);
+    }
+    _mm512_store_ps(out + 16 * c, o);
+  }
+}
+
+// Rows R0 .. ROWS - 1, kChunk at a time.
+template <int KIND, int ROWS, int R0 = 0>
+TS_TARGET inline void chunks_against_block(const uint16_t* wbuf, const uint8_t* record, const uint32_t* pairs,
+                                           int64_t pair_stride, const float* xsum, int64_t xsum_stride, float* out) {
+  if constexpr (R0 < ROWS) {
+    constexpr int kCount = ROWS - R0 < kChunk ? ROWS - R0 : kChunk;
+    rows_against_block<KIND, kCount>(wbuf, record, pairs + R0 * pair_stride, pair_stride,
+                                     xsum == nullptr ? nullptr : xsum + R0 * xsum_stride, xsum_stride, out + 16 * R0);
+    chunks_against_block<KIND, ROWS, R0 + kCount>(wbuf, record, pairs, pair_stride, xsum, xsum_stride, out);
+  }
+}
+
+template <int BLOCKS, int KIND, int ROWS>
+TS_TARGET void run_blocks_rows(const uint16_t* x, int64_t k, const float* xsum, const uint8_t* w,
+                               int64_t nb0, int64_t groups, uint16_t* y, int64_t n) {
   constexpr int64_t kBytes = kRecordBytes[KIND];
-  alignas(64) uint16_t wbuf[BLOCKS][kTileK * kTileN];
+  constexpr int64_t kSumsPerGroup = KIND == kInt6 ? 2 : 1;  // xsum entries per 32 inputs
+  alignas(64) uint16_t wbuf[kTileK * kTileN];
+  alignas(64) float out[BLOCKS][ROWS * kTileN] = {};
   const uint32_t* pairs = reinterpret_cast<const uint32_t*>(x);  // x as bf16 pairs: pair p is inputs 2p, 2p + 1
-  __m512 out[BLOCKS];
-  for (int b = 0; b < BLOCKS; ++b) out[b] = _mm512_setzero_ps();
+  const int64_t pair_stride = k / 2, xsum_stride = groups * kSumsPerGroup;
   for (int64_t g = 0; g < groups; ++g) {
     for (int b = 0; b < BLOCKS; ++b) {
       const uint8_t* record = w + ((nb0 + b) * groups + g) * kBytes;
       prefetch_record<kBytes>(record + kPrefetchAhead * kBytes);
-      if (KIND == kInt4) expand_int4(record, wbuf[b]);
-      else if (KIND == kInt6) expand_int6(record, wbuf[b]);
-      else expand_int8(record, wbuf[b]);
-      // two sums per half (rows taken in turn) so each multiply-add does not wait for the one before
-      __m512 part[2][2] = {{_mm512_setzero_ps(), _mm512_setzero_ps()}, {_mm512_setzero_ps(), _mm512_setzero_ps()}};
-      for (int r = 0; r < 16; ++r) {
-        const __m512i row = _mm512_load_si512(wbuf[b] + 32 * r);
-        const __m512i xp = _mm512_set1_epi32(static_cast<int>(pairs[g * 16 + r]));
-        part[r / 8][r & 1] = _mm512_dpbf16_ps(part[r / 8][r & 1], (__m512bh)row, (__m512bh)xp);
-      }
-      const __m512 lo = _mm512_add_ps(part[0][0], part[0][1]), hi = _mm512_add_ps(part[1][0], part[1][1]);
-      if (KIND == kInt8) {  // scales already in the weights
-        out[b] = _mm512_add_ps(out[b], _mm512_add_ps(lo, hi));
-      } else if (KIND == kInt4) {  // one group of 32
-        const __m512 sv = load_half(record + 256);
-        const __m512 cv = _mm512_fmadd_ps(_mm512_set1_ps(-128.f), sv, load_half(record + 288));
-        out[b] = _mm512_fmadd_ps(sv, _mm512_add_ps(lo, hi), out[b]);
-        out[b] = _mm512_fmadd_ps(cv, _mm512_set1_ps(xsum[g]), out[b]);
-      } else {  // two groups of 16: rows 0..7 and 8..15
-        const __m512 sa = load_half(record + 384), sb = load_half(record + 416);
-        out[b] = _mm512_fmadd_ps(sa, lo, out[b]);
-        out[b] = _mm512_fmadd_ps(sb, hi, out[b]);
-        const __m512 minus160 = _mm512_set1_ps(-160.f);
-        out[b] = _mm512_fmadd_ps(_mm512_mul_ps(minus160, sa), _mm512_set1_ps(xsum[2 * g]), out[b]);
-        out[b] = _mm512_fmadd_ps(_mm512_mul_ps(minus160, sb), _mm512_set1_ps(xsum[2 * g + 1]), out[b]);
-      }
+      if (KIND == kInt4) expand_int4(record, wbuf);
+      else if (KIND == kInt6) expand_int6(record, wbuf);
+      else expand_int8(record, wbuf);
+      chunks_against_block<KIND, ROWS>(wbuf, record, pairs + g * 16, pair_stride,
+                                       xsum == nullptr ? nullptr : xsum + g * kSumsPerGroup, xsum_stride, out[b]);
     }
   }
-  for (int b = 0; b < BLOCKS; ++b) store_bf16(y + (nb0 + b) * kTileN, out[b]);
+  for (int b = 0; b < BLOCKS; ++b)
+    for (int r = 0; r < ROWS; ++r)
+      store_bf16(y + r * n + (nb0 + b) * kTileN, _mm512_load_ps(out[b] + 16 * r));
 }
 
-template <int KIND>
-TS_TARGET void run_range_row(const uint16_t* x, int64_t, const float* xsum, const uint8_t* w, int64_t nb0,
-                             int64_t nb1, int64_t groups, uint16_t* y, int64_t) {
+template <int ROWS, int KIND>
+TS_TARGET void run_range_rows(const uint16_t* x, int64_t k, const float* xsum, const uint8_t* w, int64_t nb0,
+                              int64_t nb1, int64_t groups, uint16_t* y, int64_t n) {
   int64_t nb = nb0;
-  for (; nb + 2 <= nb1; nb += 2) run_blocks_row<2, KIND>(x, xsum, w, nb, groups, y);
-  for (; nb < nb1; ++nb) run_blocks_row<1, KIND>(x, xsum, w, nb, groups, y);
+  for (; nb + 2 <= nb1; nb += 2) run_blocks_rows<2, KIND, ROWS>(x, k, xsum, w, nb, groups, y, n);
+  for (; nb < nb1; ++nb) run_blocks_rows<1, KIND, ROWS>(x, k, xsum, w, nb, groups, y, n);
 }
 
 template <int ROWS, int KIND>
@@ -485,15 +525,14 @@ TS_TARGET void run_range(const uint16_t* x, int64_t k, const float* xsum, const 
 using RangeFn = void (*)(const uint16_t*, int64_t, const float*, const uint8_t*, int64_t, int64_t, int64_t,
                          uint16_t*, int64_t);
 
+// rows 1 .. kVectorRows[KIND]: the vector path; more: tiles
 template <int KIND, int... R>
 RangeFn pick(int rows, std::integer_sequence<int, R...>) {
-  static constexpr RangeFn fns[] = {&run_range<R + 1, KIND>...};
+  static constexpr RangeFn fns[] = {(R < kVectorRows[KIND] ? &run_range_rows<R + 1, KIND> : &run_range<R + 1, KIND>)...};
   return fns[rows - 1];
 }
 
 RangeFn range_fn(int kind, int rows) {
-  if (rows == 1)
-    return kind == kInt4 ? &run_range_row<kInt4> : kind == kInt6 ? &run_range_row<kInt6> : &run_range_row<kInt8>;
   const auto counts = std::make_integer_sequence<int, kMaxRows>{};
   return kind == kInt4 ? pick<kInt4>(rows, counts) : kind == kInt6 ? pick<kInt6>(rows, counts)
                                                                    : pick<kInt8>(rows, counts);

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..determinism.batch_invariant import invariant_linear
 from .packed import PackedWeight, packed_linear
 
@@ -69,11 +70,30 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self._fused(x)
+        if ops is not None:
+            return ops.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:  # Gemma multiplies in float32 before casting back
             return (xf * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, this norm of it): a layer's residual add and the norm after it, one call when fused."""
+        ops = self._fused(x)
+        if ops is not None:
+            return ops.add_rms_norm(x, delta, self.weight, self.eps)
+        total = x + delta
+        return total, self(total)
+
+    def _fused(self, x: torch.Tensor) -> Any:
+        """The compiled operators (kernels/fused_ops.cpp) where they compute exactly this: bf16 rows on the
+        CPU, no Gemma offset, nothing to differentiate."""
+        if (x.dtype != torch.bfloat16 or x.dim() != 2 or x.device.type != "cpu" or self.offset
+                or self.weight.dtype != torch.bfloat16 or (torch.is_grad_enabled() and x.requires_grad)):
+            return None
+        return kernels.fused_ops()
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
@@ -122,6 +142,11 @@ class Rotary(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, H, D]; rotates in the input dtype like HF, with float32 tables cast down."""
         cos, sin = self.lookup(positions, x.dtype)
+        if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.stride(-1) == 1
+                and not (torch.is_grad_enabled() and x.requires_grad)):
+            ops = kernels.fused_ops()
+            if ops is not None:  # one call instead of seven (kernels/fused_ops.cpp), the same bf16 roundings
+                return ops.rotary(x, cos, sin)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 

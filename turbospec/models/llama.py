@@ -59,8 +59,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), positions, meta, kv)
-        return x + self.mlp(self.mlp_norm(x), meta.invariant)
+        x, h = self.mlp_norm.add_forward(x, self.attn(self.input_norm(x), positions, meta, kv))
+        return x + self.mlp(h, meta.invariant)
 
 
 class CausalLM(nn.Module):
