@@ -29,12 +29,21 @@ ROWS = (1, 2, 4, 5, 8)
 MODEL = "qwen2.5-coder-1.5b"
 
 
+def median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
 def worker(source: str, threads: int, steps: int) -> dict:
     """One variant, in this process: build it from `source`, time the operator and the engine's decode step."""
     import torch
 
     from turbospec import kernels
-    from turbospec.models.crossover import median_ms
 
     torch.set_num_threads(threads)
     kernels.SOURCE = Path(source)  # the build directory is keyed by the source's hash

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 DRAFT = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 SINGLE = ("hf-plain", "hf-prompt-lookup", "llama.cpp-plain", "llama.cpp-prompt-lookup", "turbospec-bf16",
           "turbospec-int4", "turbospec-auto", "turbospec-auto-noamx", "turbospec-pld-k4", "turbospec-sps-k4",
-          "turbospec-sps-auto", "turbospec-adaptive")
+          "turbospec-sps-k4-int4draft", "turbospec-sps-auto", "turbospec-adaptive")
 NO_AMX = "-noamx"  # rows run with TURBOSPEC_NO_AMX=1: torch's int4 and our AVX-512 int8 kernel, side by side
 CONCURRENT = ("llama.cpp-16", "turbospec-auto-16", "turbospec-adaptive-16")
 
@@ -58,8 +58,10 @@ def turbospec_options(row: str, model: str) -> tuple[str, dict[str, Any] | None]
         return "auto", {"method": "draft", "model": DRAFT[model], "num_speculative_tokens": "auto"}
     if row == "turbospec-sps-k4":
         return "auto", {"method": "draft", "model": DRAFT[model], "num_speculative_tokens": 4}
-    if row == "turbospec-adaptive":
-        return "auto", {"method": "draft", "model": DRAFT[model], "num_speculative_tokens": "auto"}
+    if row == "turbospec-sps-k4-int4draft":  # the draft's Q5_0 / Q8_0 layers rounded to 4 bits (lossy for it only)
+        return "auto", {"method": "draft", "model": DRAFT[model], "num_speculative_tokens": 4, "quantization": "int4"}
+    if row == "turbospec-adaptive":  # prompt lookup, the controller choosing k (was the draft row again until stop 24)
+        return "auto", {"method": "ngram", "num_speculative_tokens": "auto"}
     if row == "turbospec-adaptive-16":
         return "auto", {"method": "ngram", "num_speculative_tokens": "auto"}
     raise ValueError(row)

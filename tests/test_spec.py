@@ -26,6 +26,8 @@ LOOKAHEAD = {"method": "lookahead", "num_speculative_tokens": 6}
 # a draft vocabulary far smaller than the answers' tokens: drafts outside it (or in the prompt) are exercised
 CUT_DRAFT = {**SELF_DRAFT, "draft_vocab_size": 256}
 CUT_LAYER_SKIP = {**LAYER_SKIP, "draft_vocab_size": 256}
+# the draft's weights rounded to 4 bits (lossy for the draft only): greedy output must not move
+INT4_DRAFT = {**SELF_DRAFT, "quantization": "int4"}
 
 
 def _llm(**kw) -> LLM:
@@ -52,8 +54,9 @@ def _assert_no_leaks(llm: LLM) -> None:
         assert not engine.proposer.computed and not engine.proposer.pending
 
 
-@pytest.mark.parametrize("config", [NGRAM, SELF_DRAFT, LAYER_SKIP, LOOKAHEAD, CUT_DRAFT, CUT_LAYER_SKIP],
-                         ids=["ngram", "draft", "layer-skip", "lookahead", "draft-cut-vocab", "layer-skip-cut-vocab"])
+@pytest.mark.parametrize("config", [NGRAM, SELF_DRAFT, LAYER_SKIP, LOOKAHEAD, CUT_DRAFT, CUT_LAYER_SKIP, INT4_DRAFT],
+                         ids=["ngram", "draft", "layer-skip", "lookahead", "draft-cut-vocab", "layer-skip-cut-vocab",
+                              "draft-requantized-int4"])
 def test_greedy_speculation_reproduces_plain_decoding(config, plain):
     llm = _llm(speculative_config=config)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -138,6 +141,8 @@ def test_sampled_speculation_is_seeded_and_in_vocabulary():
         ({"method": "draft", "model": "m", "draft_vocab_size": -1}, "draft_vocab_size must be"),
         ({"method": "draft", "model": "m", "draft_vocab_size": "all"}, "draft_vocab_size must be"),
         ({"method": "ngram", "draft_vocab_size": 4096}, "draft_vocab_size only applies to methods draft, layer-skip"),
+        ({"method": "draft", "model": "m", "quantization": "int8"}, "quantization must be null"),
+        ({"method": "layer-skip", "quantization": "int4"}, "quantization applies to a separate draft model"),
     ],
 )
 def test_invalid_configs_are_refused(config, message):

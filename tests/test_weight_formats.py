@@ -225,6 +225,37 @@ def test_a_packed_weights_rows_are_cut_without_changing_a_value(type_name, amx):
         assert packed.take_rows(rows[:15]) is None  # an AMX record holds 16 output rows
 
 
+def test_requantizing_rounds_each_group_of_32_to_its_nearest_of_16_levels():
+    gen = np.random.default_rng(3)
+    q = gen.integers(-16, 16, (32, 64)).astype(np.int8)
+    q[0, :32] = 5  # a constant group: held exactly
+    groups = gguf_blocks.Int8Groups(q, gen.random((32, 4)).astype(np.float32) + 0.1)
+    four = gguf_blocks.requantize_int4(groups)
+    assert four.q.max() <= 15 and four.scale.shape == four.offset.shape == (32, 2)
+    values, rounded = groups.dequantize(), four.dequantize()
+    step = np.repeat(four.scale, 32, axis=1)
+    assert (np.abs(rounded - values) <= step / 2 + 1e-6).all()  # nearest level, never further
+    assert np.array_equal(rounded[0, :32], values[0, :32])
+    per_group = values.reshape(32, 2, 32)
+    assert np.allclose(four.offset, per_group.min(-1)) and np.allclose(four.scale, np.ptp(per_group, -1) / 15)
+
+
+@pytest.mark.slow
+def test_a_requantized_model_holds_only_4_bit_parts_and_says_so():
+    exact = load_model("smollm2-135m", "float32", weight_format="int4", progress=False).weights
+    four = load_model("smollm2-135m", "float32", weight_format="int4", requantize=True, progress=False).weights
+    assert exact.part_kinds["int8"] >= 1 and set(four.part_kinds) == {"int4"}  # the Q8_0 head too
+    assert four.packed_bytes < exact.packed_bytes
+    assert "(requantised to 4 bits)" in four.line() and "requantised" not in exact.line()
+
+
+def test_requantizing_is_refused_where_it_cannot_pack():
+    with pytest.raises(WeightFormatError, match="requantising to 4 bits needs a GGUF model .dummy:tiny is not one."):
+        load_model("dummy:tiny", "bfloat16", weight_format="auto", requantize=True, progress=False)
+    with pytest.raises(WeightFormatError, match="weight format auto or int4 .not bf16."):
+        load_model("smollm2-135m", "bfloat16", weight_format="bf16", requantize=True, progress=False)
+
+
 @pytest.mark.slow
 def test_formats_on_smollm2_give_plain_decodings_greedy_output():
     """Float32: the packed kernels and the dense copy compute the same model as the bf16 format's weights."""

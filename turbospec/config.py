@@ -155,6 +155,10 @@ class SpeculativeConfig:
     # methods "draft" / "layer-skip": the draft's LM head scores this many frequent tokens plus each request's own
     # (spec/draft_vocab.py, lossless); "auto": 32768 for vocabularies of 64k tokens or more; null / 0: all
     draft_vocab_size: int | str | None = "auto"
+    # method "draft": "int4" rounds the draft model's wider GGUF blocks (Q5_0, Q8_0, Q6_K) to 4 bits, groups of 32
+    # (gguf_blocks.requantize_int4): fewer bytes per draft token; lossy for the draft only, so the output stays
+    # exact. null: the file's own values.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -198,6 +202,11 @@ class SpeculativeConfig:
         if v not in ("auto", None, 0) and self.method not in DRAFT_VOCAB_METHODS:
             raise ValueError(f"draft_vocab_size only applies to methods {', '.join(DRAFT_VOCAB_METHODS)}, not "
                              f"{self.method!r}")
+        if self.quantization not in (None, "int4"):
+            raise ValueError(f"quantization must be null (the draft file's own values) or \"int4\", got "
+                             f"{self.quantization!r}")
+        if self.quantization is not None and self.method != "draft":
+            raise ValueError(f"quantization applies to a separate draft model (method \"draft\"), not {self.method!r}")
         if self.method == "ngram":
             check_positive("prompt_lookup_min", self.prompt_lookup_min)
             check_positive("prompt_lookup_max", self.prompt_lookup_max)

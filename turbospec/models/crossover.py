@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,14 +32,22 @@ class Crossover:
     gemm_rows: int  # ... and for calls of at least this many (0: never)
 
 
-def median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up: first calls pay for allocation and thread start
-    times = []
+def best_ms(fns: tuple, repeats: int) -> list[float]:
+    """The fastest of `repeats` calls of each function, the functions taking turns. The fastest, not the median:
+    on a shared machine a call that loses the CPU takes a whole scheduler slice (8 ms here), and a measurement
+    made while another process ran (a test suite beside a benchmark, 2026-12-01) had medians of 8 ms for both
+    forms, left half the linears of a 0.5B model dense and made its decode steps 2x slower, cached for good.
+    The fastest call is what the kernel costs; the question here is which kernel is faster, not how loaded the
+    machine is."""
+    for fn in fns:
+        fn()  # warm-up: first calls pay for allocation and thread start
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return [b * 1e3 for b in best]
 
 
 def measure(packed: PackedWeight, dense: torch.Tensor, row_counts: tuple[int, ...] = ROWS, repeats: int = 5,
@@ -51,8 +58,7 @@ def measure(packed: PackedWeight, dense: torch.Tensor, row_counts: tuple[int, ..
     losses = 0
     for rows in row_counts:
         x = torch.randn(rows, dense.shape[1], generator=gen).to(dense.dtype)
-        p = median_ms(lambda: packed.mm(x), repeats)
-        d = median_ms(lambda: F.linear(x, dense), repeats)
+        p, d = best_ms((lambda: packed.mm(x), lambda: F.linear(x, dense)), repeats)
         out[rows] = (p, d)
         losses += p >= d
         if losses >= max_losses:
@@ -117,6 +123,7 @@ def cache_path(dtype: torch.dtype) -> Path:
     from .registry import turbospec_home
 
     kernel = kernels.build_id()  # the int8 fallback, or another version of the kernel, has other timings
-    key = f"{hardware_name('cpu')}|{torch.get_num_threads()}|{torch.__version__}|{dtype}|{kernel}"
+    # "best": timings are the fastest of several calls (best_ms); files of medians are measured again
+    key = f"{hardware_name('cpu')}|{torch.get_num_threads()}|{torch.__version__}|{dtype}|{kernel}|best"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return turbospec_home() / "kernels" / f"crossover-{str(dtype).removeprefix('torch.')}-{digest}.json"

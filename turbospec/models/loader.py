@@ -89,9 +89,9 @@ def resolve(model: str) -> tuple[str, Path | None]:
 
 
 def load_model(model: str, dtype: str | torch.dtype = "bfloat16", device: str = "cpu",
-               progress: bool = True, weight_format: str = "bf16") -> LoadedModel:
+               progress: bool = True, weight_format: str = "bf16", requantize: bool = False) -> LoadedModel:
     """Load a model and its tokenizer; see the module docstring for what `model` may be, and
-    weight_format.py for `weight_format` (auto, bf16, int4, int8)."""
+    weight_format.py for `weight_format` (auto, bf16, int4, int8) and `requantize` (4 bits, draft models)."""
     torch_dtype = parse_dtype(dtype)
     kind, path = resolve(model)
     start = time.perf_counter()
@@ -111,7 +111,8 @@ def load_model(model: str, dtype: str | torch.dtype = "bfloat16", device: str = 
     on_cpu = torch.device(device).type == "cpu"  # the packed kernels are CPU kernels
     loaded.weights = apply_weight_format(loaded.model, gguf if on_cpu else None,
                                          weight_format if on_cpu or weight_format != "auto" else "bf16",
-                                         torch_dtype, model, progress, None if gguf is None else _cache_dir(gguf))
+                                         torch_dtype, model, progress, None if gguf is None else _cache_dir(gguf),
+                                         requantize)
     log.info("loaded %s (%s, %.1fM params) in %.1fs; %s", model, torch_dtype, loaded.config.num_params() / 1e6,
              time.perf_counter() - start, loaded.weights.line())
     return loaded

@@ -64,11 +64,13 @@ class WeightReport:
     crossover: dict[str, int] = field(default_factory=dict)  # signature -> rows run packed
     prefill_packed: int = 0  # linears whose prefill-sized calls run packed too (crossover.GEMM_ROWS)
     kept_dense: dict[str, str] = field(default_factory=dict)  # target -> why it has no packed form
+    requantized: bool = False  # wider types rounded to 4 bits (a draft model's choice; gguf_blocks.requantize_int4)
 
     def line(self) -> str:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.part_kinds.items())) or "none"
         rows = sorted(set(self.crossover.values()) - {0})  # 0: left dense, counted as such
-        return (f"weight format {self.format}: {self.packed_linears} linears packed ({kinds} parts, "
+        return (f"weight format {self.format}{' (requantised to 4 bits)' if self.requantized else ''}: "
+                f"{self.packed_linears} linears packed ({kinds} parts, "
                 f"{self.packed_bytes / 2**20:.0f} MiB), {self.dense_only_linears} dense only; dense weights kept "
                 f"{self.dense_bytes / 2**20:.0f} MiB; packed for calls of up to {rows} rows"
                 + (f" and, for {self.prefill_packed} linears, of {GEMM_ROWS[0]} rows or more" if self.prefill_packed
@@ -108,12 +110,18 @@ def _groups(t, net: CausalLM, raw_arch: str) -> gguf_blocks.Groups | None:
 
 
 def apply_weight_format(net: CausalLM, gguf: Path | None, fmt: str, dtype: torch.dtype, source: str,
-                        progress: bool = True, cache_dir: Path | None = None) -> WeightReport:
+                        progress: bool = True, cache_dir: Path | None = None,
+                        requantize: bool = False) -> WeightReport:
     """Attach packed forms to `net`'s linears as `fmt` says (see the module docstring); returns what was kept.
-    `cache_dir` keeps the packed tensors (packed-<dtype>.safetensors), so later loads skip decoding."""
+    `cache_dir` keeps the packed tensors (packed-<dtype>.safetensors), so later loads skip decoding.
+    `requantize` rounds the layers' wider block types to 4 bits first (lossy: draft models only)."""
     if fmt not in WEIGHT_FORMATS:
         raise WeightFormatError(f"unknown weight format {fmt!r}: expected one of {', '.join(WEIGHT_FORMATS)}")
-    report = WeightReport(fmt)
+    report = WeightReport(fmt, requantized=requantize)
+    if requantize and (gguf is None or fmt == "bf16" or dtype not in (torch.bfloat16, torch.float32)):
+        raise WeightFormatError(f"requantising to 4 bits needs a GGUF model ({source} is "
+                                f"{'not one' if gguf is None else 'one'}), weight format auto or int4 (not {fmt}) "
+                                "and dtype bfloat16 or float32")
     packing = fmt != "bf16" and gguf is not None and dtype in (torch.bfloat16, torch.float32)
     if fmt in ("int4", "int8") and not packing:
         why = (f"{source} is not a GGUF file" if gguf is None else
@@ -122,19 +130,21 @@ def apply_weight_format(net: CausalLM, gguf: Path | None, fmt: str, dtype: torch
                                 "use --weight-format bf16 or auto")
     if packing:
         assert gguf is not None
-        _pack_from_gguf(net, gguf, fmt, dtype, report, progress, cache_dir)
+        _pack_from_gguf(net, gguf, fmt, dtype, report, progress, cache_dir, requantize)
     report.dense_bytes = sum(p.nbytes for p in net.parameters() if p is not None)
     return report
 
 
 def _decode_all(net: CausalLM, reader, targets: dict[str, list], dtype: torch.dtype,
-                progress: bool) -> dict[str, PackedWeight]:
+                progress: bool, requantize: bool) -> dict[str, PackedWeight]:
     raw_arch = read_metadata(reader).get("general.architecture", net.cfg.arch)
     packable = {name: ts for name, ts in targets.items()
                 if all(t is not None and gguf_blocks.decodable(t.tensor_type.name) for t in ts)}
     packs = {}
     for name, ts in tqdm(packable.items(), desc="pack weights", unit="linear", disable=not progress, leave=False):
         groups = [_groups(t, net, raw_arch) for t in ts]
+        if requantize:
+            groups = [gguf_blocks.requantize_int4(g) if isinstance(g, gguf_blocks.Int8Groups) else g for g in groups]
         try:
             if any(g is None for g in groups):
                 raise ValueError("a row is not a whole number of blocks")
@@ -144,13 +154,14 @@ def _decode_all(net: CausalLM, reader, targets: dict[str, list], dtype: torch.dt
     return packs
 
 
-def _load_packs(net: CausalLM, gguf: Path, dtype: torch.dtype, progress: bool,
-                cache_dir: Path | None) -> tuple[dict[str, list[str]], dict[str, PackedWeight]]:
+def _load_packs(net: CausalLM, gguf: Path, dtype: torch.dtype, progress: bool, cache_dir: Path | None,
+                requantize: bool) -> tuple[dict[str, list[str]], dict[str, PackedWeight]]:
     """(our linear -> its GGUF block types, our linear -> packed form for those that have an exact one), from
     the cache file when there is one: opening a GGUF parses its whole vocabulary (14 s for Qwen's)."""
     # torch's int4 layout depends on its version and the CPU's vector width, ours on AMX: they name the file
     amx = "-amx" if dtype == torch.bfloat16 and kernels.amx_available() else ""
     tag = f"{str(dtype).removeprefix('torch.')}-{torch.__version__}-{torch.backends.cpu.get_cpu_capability()}{amx}"
+    tag += "-requantized4" if requantize else ""
     path = None if cache_dir is None else cache_dir / f"packed-v1-{re.sub(r'[^A-Za-z0-9_.-]', '_', tag)}.safetensors"
     if path is not None and path.exists():
         with safe_open(str(path), framework="pt") as f:
@@ -161,7 +172,7 @@ def _load_packs(net: CausalLM, gguf: Path, dtype: torch.dtype, progress: bool,
     reader = open_reader(gguf)
     targets = _linear_targets(net, reader)
     types = {name: [t.tensor_type.name if t is not None else "missing" for t in ts] for name, ts in targets.items()}
-    packs = _decode_all(net, reader, targets, dtype, progress)
+    packs = _decode_all(net, reader, targets, dtype, progress, requantize)
     if path is not None:
         tensors = {}
         kinds = {name: save_parts(packed, name, tensors) for name, packed in packs.items()}
@@ -173,8 +184,8 @@ def _load_packs(net: CausalLM, gguf: Path, dtype: torch.dtype, progress: bool,
 
 
 def _pack_from_gguf(net: CausalLM, gguf: Path, fmt: str, dtype: torch.dtype, report: WeightReport,
-                    progress: bool, cache_dir: Path | None) -> None:
-    types, packs = _load_packs(net, gguf, dtype, progress, cache_dir)
+                    progress: bool, cache_dir: Path | None, requantize: bool) -> None:
+    types, packs = _load_packs(net, gguf, dtype, progress, cache_dir, requantize)
     allowed = _allowed(fmt)
     dense_only = {name: tys for name, tys in types.items() if name not in packs or any(t not in allowed for t in tys)}
     strict = {name: tys for name, tys in dense_only.items() if name != "lm_head.weight"}  # the head keeps dense anyway

@@ -45,7 +45,7 @@ def build_proposer(spec: SpeculativeConfig, engine: LLMEngine, progress: bool = 
         return _with_vocabulary(proposer, spec, engine.loaded.model, engine.tokenizer)
     assert spec.model is not None
     draft = load_model(spec.model, engine.dtype, engine.config.device, progress=progress,
-                       weight_format=engine.config.weight_format)
+                       weight_format=engine.config.weight_format, requantize=spec.quantization == "int4")
     check_same_vocabulary(engine.tokenizer, draft.tokenizer, spec.model)
     if draft.config.vocab_size != engine.model_config.vocab_size:
         raise ValueError(f"draft model {spec.model!r} has {draft.config.vocab_size} embedding rows, the target "
