@@ -46,7 +46,8 @@ def worker(source: str, threads: int, steps: int) -> dict:
     from turbospec import kernels
 
     torch.set_num_threads(threads)
-    kernels.SOURCE = Path(source)  # the build directory is keyed by the source's hash
+    # this variant's int8 source with the current other kernels; the build directory is keyed by the sources' hash
+    kernels.SOURCES = [Path(source), *(p for p in kernels.SOURCES if p.name != SOURCE.name)]
     if kernels.load() is None:
         raise SystemExit(f"kernel build failed: {kernels.failure()}")
 
