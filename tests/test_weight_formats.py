@@ -252,8 +252,9 @@ def test_a_requantized_model_holds_only_4_bit_parts_and_says_so():
 def test_requantizing_is_refused_where_it_cannot_pack():
     with pytest.raises(WeightFormatError, match="requantising to 4 bits needs a GGUF model .dummy:tiny is not one."):
         load_model("dummy:tiny", "bfloat16", weight_format="auto", requantize=True, progress=False)
-    with pytest.raises(WeightFormatError, match="weight format auto or int4 .not bf16."):
-        load_model("smollm2-135m", "bfloat16", weight_format="bf16", requantize=True, progress=False)
+    for fmt in ("bf16", "int8"):
+        with pytest.raises(WeightFormatError, match=f"weight format auto or int4 .not {fmt}."):
+            load_model("smollm2-135m", "bfloat16", weight_format=fmt, requantize=True, progress=False)
 
 
 @pytest.mark.slow

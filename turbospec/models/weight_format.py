@@ -14,6 +14,9 @@
   forms hold scales in float16 (exact for Q4_0 / Q4_1 / Q8_0 / Q5_0, the K-quants' d * sc rounded at 2^-11).
   So both compute the same model up to that rounding.
 
+A draft model may also be requantised (`requantize`, speculative_config quantization "int4"): its wider blocks
+rounded to 4 bits before packing, lossy for the draft only (its proposals are verified).
+
 A format the file cannot provide exactly is refused (int8 on a Q4_K file, any packed format on safetensors
 or dummy weights). The LM head's dense copy is kept in every format: heads and EAGLE read its rows.
 """
@@ -118,7 +121,7 @@ def apply_weight_format(net: CausalLM, gguf: Path | None, fmt: str, dtype: torch
     if fmt not in WEIGHT_FORMATS:
         raise WeightFormatError(f"unknown weight format {fmt!r}: expected one of {', '.join(WEIGHT_FORMATS)}")
     report = WeightReport(fmt, requantized=requantize)
-    if requantize and (gguf is None or fmt == "bf16" or dtype not in (torch.bfloat16, torch.float32)):
+    if requantize and (gguf is None or fmt not in ("auto", "int4") or dtype not in (torch.bfloat16, torch.float32)):
         raise WeightFormatError(f"requantising to 4 bits needs a GGUF model ({source} is "
                                 f"{'not one' if gguf is None else 'one'}), weight format auto or int4 (not {fmt}) "
                                 "and dtype bfloat16 or float32")
