@@ -4,8 +4,8 @@ For each packed signature (kinds and shapes of its parts) we time the packed pro
 the same random activations for 1..32 rows, and keep the largest row count up to which packed was faster
 at every count. Nothing is hard-coded: on a CPU where the int4 kernel loses even at one row, the crossover
 is 0 and the linear runs dense. Then the prefill sizes (64, 128, 256 rows): where packed wins at all of them
-(our AMX kernel expands the weights once per call and runs a GEMM: it reads a quarter of the bytes; the
-benchmark's HumanEval prefills take 1.9 s, results/weight_formats.md), calls from 64 rows on run packed too.
+(our AMX kernel expands the weights once per call and runs a GEMM: it reads a quarter of the bytes; the prefill
+column of results/weight_formats.md), calls from 64 rows on run packed too.
 Measured once per (signature, dtype, threads, hardware, torch); a 1.5B model's six signatures take a few seconds.
 """
 
