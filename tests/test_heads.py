@@ -86,6 +86,10 @@ def test_eagle_conversation_labels_are_the_targets_greedy_choices(plain, tmp_pat
 
 
 def test_conversations_are_refused_for_heads_and_code_only_needs_them():
+    with pytest.raises(ValueError, match="--data conversations trains --method eagle only"):
+        TrainHeadOptions("medusa", data="conversations")  # the library refuses it too, not only the CLI
+    with pytest.raises(ValueError, match="data must be one of answers, conversations"):
+        TrainHeadOptions("eagle", data="chats")
     for flags, message in ((["--method", "hydra", "--data", "conversations"], "--data conversations trains --method "
                             "eagle only"), (["--method", "eagle", "--code-only"], "--code-only applies to --data "
                                             "conversations only")):

@@ -133,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
     th.add_argument("--lr", type=float, default=2e-3)
     th.add_argument("--out", default=None, help="head file (default: heads/<model>-<method>.safetensors)")
     th.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
-    th.add_argument("--data", default="answers", choices=["answers", "conversations"],
+    th.add_argument("--data", default="answers", choices=["answers", "conversations"],  # DATA_SOURCES
                     help="answers: the target's greedy answers to ShareGPT first turns (generated); conversations "
                          "(eagle only): ShareGPT's recorded answers read teacher-forced, labelled with the target's "
                          "greedy choices (no generation: several times more positions per CPU second)")
@@ -283,11 +283,6 @@ def _train_head(args: argparse.Namespace) -> int:
         for flag in ("budget_minutes", "lr"):
             if not getattr(args, flag) > 0:
                 raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
-        if args.data == "conversations" and args.method != "eagle":
-            raise ValueError(f"--data conversations trains --method eagle only (the {args.method} heads learn from "
-                             "the target's own answers): use --data answers")
-        if args.code_only and args.data != "conversations":
-            raise ValueError("--code-only applies to --data conversations only")
         opts = TrainHeadOptions(args.method, args.num_heads, args.num_prompts, args.max_tokens, args.draft_vocab,
                                 args.budget_minutes, args.epochs, args.batch_size, args.lr, data=args.data,
                                 code_only=args.code_only)

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 PROMPT_SKIP = 1000
 IGNORE = -100
+DATA_SOURCES = ("answers", "conversations")
 
 
 @dataclass
@@ -62,16 +63,25 @@ class TrainHeadOptions:
     generate_batch: int = 16
     # "answers": the target's greedy answers to ShareGPT first turns (generated, slow); "conversations" (EAGLE
     # only): ShareGPT's own answers, teacher-forced, labelled with the target's greedy choice at each position
-    # (one forward per conversation, ~5x more positions per CPU second here)
+    # (one forward per conversation: several times more positions per CPU second here)
     data: str = "answers"
     code_only: bool = False  # conversations: only answers holding a fenced code block
+
+    def __post_init__(self) -> None:
+        # refused here, not only by the CLI: train_heads() on recorded answers would learn ChatGPT's tokens
+        if self.data not in DATA_SOURCES:
+            raise ValueError(f"data must be one of {', '.join(DATA_SOURCES)}, got {self.data!r}")
+        if self.data == "conversations" and self.method != "eagle":
+            raise ValueError(f"--data conversations trains --method eagle only (the {self.method} heads learn from "
+                             "the target's own answers): use --data answers")
+        if self.code_only and self.data != "conversations":
+            raise ValueError("--code-only applies to --data conversations only")
 
 
 def work_dir(model: str) -> Path:
     return turbospec_home() / "heads" / model.replace("/", "_")
 
 
-DATA_SOURCES = ("answers", "conversations")
 CONVERSATIONS_STOP = 5000  # ShareGPT conversations from here on are the margin-gate and layer-search prompts
 
 
@@ -80,9 +90,7 @@ def distillation_set(engine: LLMEngine, opts: TrainHeadOptions, progress: bool =
     """(prompt + answer ids, prompt length) per conversation, from `opts.data`."""
     if opts.data == "answers":
         return distillation_answers(engine, opts, progress)
-    if opts.data == "conversations":
-        return conversation_sequences(engine, opts)
-    raise ValueError(f"data must be one of {', '.join(DATA_SOURCES)}, got {opts.data!r}")
+    return conversation_sequences(engine, opts)
 
 
 def data_description(opts: TrainHeadOptions, count: int) -> str:
