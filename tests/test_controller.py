@@ -12,6 +12,7 @@ import pytest
 
 from turbospec import LLM, SamplingParams
 from turbospec.config import SpeculativeConfig
+from turbospec.control.acceptance import NodeRank
 from turbospec.control.profiler import profile_key, profile_path
 from turbospec.control.step_time import LinearPart, StepTimeModel
 from turbospec.models.registry import gguf_path
@@ -189,3 +190,25 @@ def test_profiling_steps_stay_out_of_the_speculation_statistics():
     before = llm.spec_stats()
     samples = profile_engine(llm.engine, ProfileGrid((1,), (32,), (0, 2), 1), progress=False)
     assert samples and llm.spec_stats() == before
+
+
+def test_tree_drafters_learn_acceptance_per_node_rank_and_time_their_draft(plain):
+    """EAGLE's k drafts are its k most confident tree nodes: the controller learns how often each rank is
+    accepted (not a chain's per-position rate), and the step samples put the draft layer's time in the draft
+    part, per drafting request, where the controller charges it (not in overhead, spread over verified nodes)."""
+    from turbospec.control.profiler import ProfileGrid, profile_engine
+
+    llm = _llm(speculative_config={"method": "eagle"})
+    engine = llm.engine
+    estimator = engine.controller.estimator
+    assert isinstance(estimator, NodeRank)
+    prior = estimator.profile(8)
+    engine.controller.model = _model(per_token=1e-4)  # verified nodes nearly free: full trees
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert llm.spec_stats()["mean_k"] > 4
+    assert engine.controller.num_observations > 0 and estimator.profile(8) != prior
+    samples = profile_engine(engine, ProfileGrid((1, 2), (32,), (0, 4), 1), progress=False)
+    drafted = [s for s in samples if s.features.spec_tokens]
+    assert drafted and all(s.features.drafting_requests == s.features.batch and s.draft_s > 0 for s in drafted)
+    assert all(s.draft_s == 0 and s.features.drafting_requests == 0 for s in samples if not s.features.spec_tokens)

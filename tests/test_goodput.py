@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from turbospec.control.acceptance import (
-    ESTIMATORS, GlobalEMA, PositionBeta, RequestBeta, expected_tokens, make_estimator, outcome_probability,
+    ESTIMATORS, GlobalEMA, NodeRank, PositionBeta, RequestBeta, expected_tokens, make_estimator, outcome_probability,
 )
 from turbospec.control.controller import Candidate, GoodputController
 from turbospec.control.goodput import choose_lengths
@@ -152,6 +152,83 @@ def test_position_estimator_learns_falling_acceptance():
     rates = est.rates("fresh", 4)
     assert rates[0] > rates[1] > rates[2] > rates[3]
     assert GlobalEMA().rates("x", 3) == [0.6] * 3
+
+
+# A draft head's candidate tree, by node rank: rank 0 (the best first token) is accepted with 0.7; rank 1 (its
+# sibling) with 0.3 of the rest; rank 2 is rank 0's child (accepted with 0.4 after it), rank 3 rank 1's child.
+TREE_TRUTH = [0.7, 0.3 * 0.3, 0.7 * 0.4, 0.09 * 0.5, 0.0, 0.0, 0.0, 0.0]
+
+
+def _tree_outcome(rng: random.Random, num_nodes: int = 8) -> list[int]:
+    """The accepted ranks of one verified tree of num_nodes nodes drawn from TREE_TRUTH's model."""
+    if rng.random() < 0.7:
+        path = [0, 2] if rng.random() < 0.4 else [0]
+    elif rng.random() < 0.3:
+        path = [1, 3] if rng.random() < 0.5 else [1]
+    else:
+        path = []
+    return [r for r in path if r < num_nodes]
+
+
+def test_node_rank_learns_what_each_tree_size_is_worth():
+    """The tree of k nodes is worth 1 + p_0 + ... + p_(k-1) (its expected accepted depth plus the bonus token),
+    for every k, whatever the tree sizes it learned from. A chain estimator fed the same outcomes values a small
+    tree as if it were the big tree's first levels."""
+    est, chain = NodeRank(prior=0.5), PositionBeta(prior=0.5)
+    rng = random.Random(4)
+    for i in range(600):
+        size = rng.choice([2, 4, 8])
+        accepted = _tree_outcome(rng, size)
+        est.observe_nodes(f"r{i % 5}", size, accepted)
+        chain.observe(f"r{i % 5}", size, len(accepted))
+    for k in range(1, 9):
+        truth = 1 + sum(TREE_TRUTH[:k])
+        assert expected_tokens(est.rates("fresh", k), k) == pytest.approx(truth, abs=0.08), k
+    # a 2-node tree holds ranks 0 and 1 (0.79 expected), not the 8-node tree's first two levels (0.98)
+    assert expected_tokens(chain.rates("fresh", 2), 2) > 1 + sum(TREE_TRUTH[:2]) + 0.12
+
+
+def test_node_rank_scales_each_request_by_its_own_accepted_depth():
+    est = NodeRank(prior=0.5)
+    rng = random.Random(5)
+    for _ in range(300):
+        est.observe_nodes("average", 8, _tree_outcome(rng))
+    for _ in range(10):
+        est.observe_nodes("copying", 8, [0, 2, 5, 6])
+        est.observe_nodes("stuck", 8, [])
+    fresh, copying, stuck = (expected_tokens(est.rates(r, 8), 8) for r in ("fresh", "copying", "stuck"))
+    assert copying > fresh + 0.5 and stuck < fresh - 0.5
+    assert all(0 < a < 1 for a in est.rates("copying", 8))
+    est.free("copying")
+    assert est.rates("copying", 8) == est.rates("fresh", 8)
+
+
+def test_tree_drafters_pay_their_draft_once_per_request_and_choose_the_best_tree_size():
+    """Draft heads grow one tree per request whatever k: the model's per-drafting-request cost is charged once,
+    and the node count the controller picks is the brute-force best of (1 + p_0 + ... ) / step time."""
+    est = NodeRank(prior=0.5)
+    rng = random.Random(6)
+    for _ in range(400):
+        est.observe_nodes("r", 8, _tree_outcome(rng))
+    p = est.profile(8)
+
+    def controller(per_request: float) -> GoodputController:
+        model = StepTimeModel({"target": LinearPart(("one", "tokens"), (0.1, 0.004)),
+                               "draft": LinearPart(("drafting_requests",), (per_request,)),
+                               "overhead": LinearPart()}, refit_every=10**9)
+        return GoodputController(model, est)
+
+    base = StepFeatures(batch=1, tokens=1, kv=200, attn=200)
+    cheap = controller(0.01)
+    f = StepFeatures(batch=1, tokens=4, kv=203, attn=609, spec_tokens=3, draft_steps=3, drafting_requests=1)
+    assert cheap.model.spec_cost(base)(3, 3, 600) == pytest.approx(cheap.model.predict(f) - 0.01)  # left out there
+    k = cheap.choose([Candidate("r", 8, 200)], base)[0]
+    worth = [(1 + sum(p[:n])) / (0.1 + 0.004 * (1 + n) + (0.01 if n else 0.0)) for n in range(9)]
+    assert k == max(range(9), key=worth.__getitem__) and 2 <= k < 8, (k, worth)
+    assert controller(0.2).choose([Candidate("r", 8, 200)], base) == [0]  # the draft costs more than it gains
+    two = controller(0.01).choose([Candidate("r", 8, 200), Candidate("s", 8, 200)],
+                                  StepFeatures(batch=2, tokens=2, kv=400, attn=400))
+    assert two == [k, k]
 
 
 # --- step-time model -----------------------------------------------------------------------------------------

@@ -297,7 +297,9 @@ class LLMEngine:
 
             assert self.spec is not None
             model = load_or_profile(self, progress)
-            self.controller = GoodputController(model, make_estimator(self.spec.acceptance_estimator))
+            assert self.proposer is not None
+            estimator = make_estimator(self.spec.acceptance_estimator, ranks_nodes=self.proposer.ranks_nodes)
+            self.controller = GoodputController(model, estimator)
 
     def spec_stats_dict(self) -> dict[str, object]:
         out: dict[str, object] = self.spec_stats.as_dict()
@@ -326,7 +328,7 @@ class LLMEngine:
         speculating = self.proposer is not None and self.spec_mode != 0
         self._ngram_drafts = {}
         sched = self.scheduler.schedule(self._spec_budget if speculating else None)
-        draft_tokens = self._propose(sched) if speculating else 0
+        draft_tokens, drafting = self._propose(sched) if speculating else (0, 0)
         proposed = time.perf_counter()
         if sched.is_empty:
             self.last_step = StepStats(0, 0, len(sched.preempted), proposed - start)
@@ -340,8 +342,8 @@ class LLMEngine:
                 s.request.spec_draft_probs = None
                 windows += s.request.determinism == "llm42"
         learn = self.controller is not None and self.spec_mode == "auto"
-        # only the controller and the profiler read step samples: plain serving does not build them
-        features = self._features(sched, draft_tokens) if learn or self.sample_steps else None  # before _update
+        # only the controller and the profiler read step samples: plain serving does not build them (before _update)
+        features = self._features(sched, draft_tokens, drafting) if learn or self.sample_steps else None
         model_out = self.runner.execute(sched, self._exact_ids)
         forwarded = time.perf_counter()
         if draft_tokens:  # AdaSD weighs a draft step against this (spec/acceptance.py)
@@ -354,7 +356,7 @@ class LLMEngine:
         self.last_sample = None
         if features is not None:
             # n-gram lookups are bookkeeping-sized: they count as overhead, not as a draft model
-            draft_s = proposed - start if draft_tokens else 0.0
+            draft_s = proposed - start if draft_tokens or drafting else 0.0
             self.last_sample = StepSample(features, forwarded - proposed, draft_s,
                                           (end - start) - (forwarded - proposed) - draft_s)
             if learn:
@@ -362,8 +364,8 @@ class LLMEngine:
         return outputs
 
     @staticmethod
-    def _features(sched: SchedulerOutput, draft_tokens: int) -> StepFeatures:
-        f = StepFeatures(draft_tokens=draft_tokens)
+    def _features(sched: SchedulerOutput, draft_tokens: int, drafting: int) -> StepFeatures:
+        f = StepFeatures(draft_tokens=draft_tokens, drafting_requests=drafting)
         for s in sched.scheduled:
             f.add(s.start, s.num_new_tokens, len(s.request.spec_token_ids[: s.num_spec_tokens]) if s.samples else 0)
         f.gathered_slots()  # planned now: the sample is logged and serialised as it is
@@ -437,18 +439,19 @@ class LLMEngine:
             return caps
         return [min(k, max(0, self.blocks.num_slots(r.request_id) - r.num_tokens)) for r, k in zip(decoding, caps)]
 
-    def _propose(self, sched: SchedulerOutput) -> int:
-        """Fill each scheduled request's drafts; returns the tokens the draft model processed (0 for n-gram)."""
+    def _propose(self, sched: SchedulerOutput) -> tuple[int, int]:
+        """Fill each scheduled request's drafts; returns the tokens a draft model processed (0 for n-gram) and
+        the requests a draft network ran for (a draft model's or the heads': 0 for n-gram and lookahead)."""
         assert self.proposer is not None
         spec = [s for s in sched.scheduled if s.num_spec_tokens > 0 and not s.request.check_tokens]
         for s in sched.scheduled:
             s.request.spec_token_ids = []
         if not spec:
-            return 0
+            return 0, 0
         if self.spec_mode == "auto" and isinstance(self.proposer, NgramProposer):
             for s in spec:
                 s.request.spec_token_ids = self._ngram_drafts.get(s.request.request_id, [])[: s.num_spec_tokens]
-            return 0
+            return 0, 0
         # a draft model runs over the tokens it has not seen, then one token per further draft step
         draft_tokens = sum(self.proposer.catch_up_tokens(s.request) + s.num_spec_tokens - 1 for s in spec) \
             if self.proposer.runs_model else 0
@@ -460,7 +463,7 @@ class LLMEngine:
             s.request.spec_tree = d.tree if keep else None
             s.request.spec_draft_probs = d.probs
             s.request.spec_draft_soft, s.request.spec_draft_entropy = d.soft_probs, d.entropies or []
-        return draft_tokens
+        return draft_tokens, len(spec) if self.proposer.runs_model or self.proposer.needs_hidden else 0
 
     def _update(self, sched: SchedulerOutput, out: ModelOutput) -> list[RequestOutput]:
         checking = {s.request.request_id for s in sched.scheduled if s.request.check_tokens}  # before _verify
@@ -532,7 +535,10 @@ class LLMEngine:
             else:
                 hit = lookup[num_drafts] == emitted[num_drafts][0]
             num_drafts, accepted = num_drafts + 1, accepted + hit
-        if num_drafts:
+        tree, path = req.spec_tree, self._tree_paths.get(req.request_id)
+        if tree is not None and tree.ranks is not None and path is not None:
+            self.controller.observe_nodes(req.request_id, num_drafts, [tree.ranks[n] for n in path])
+        elif num_drafts:
             self.controller.observe(req.request_id, num_drafts, accepted)
 
     def _verify(self, sched: SchedulerOutput, out: ModelOutput

@@ -54,6 +54,11 @@ class AcceptanceEstimator(ABC):
     def free(self, request_id: str) -> None:
         """The request is gone: drop its state."""
 
+    def observe_nodes(self, request_id: str, num_nodes: int, accepted_ranks: list[int]) -> None:
+        """One verified tree: num_nodes candidates, of which the nodes of these ranks (the proposer's confidence
+        order, TokenTree.ranks) formed the accepted path. A chain estimator sees its accepted depth."""
+        self.observe(request_id, num_nodes, len(accepted_ranks))
+
 
 class GlobalEMA(AcceptanceEstimator):
     """The TurboSpec authors' fork: one number for every request and position, a <- 0.85 a + 0.15 m / k."""
@@ -162,16 +167,95 @@ class FirstPositionBeta(PositionBeta):
         return out
 
 
+class NodeRank(AcceptanceEstimator):
+    """Acceptance of a draft head's candidate tree, by node rank.
+
+    A tree drafter's k drafts are the k most confident nodes of one candidate tree, so the tree of k + 1 nodes is
+    the tree of k plus the node of rank k. The accepted path holds each node with some chance p_j, and the
+    tokens a tree of k nodes emits are 1 + p_0 + ... + p_(k-1): the expected accepted depth, node by node. That
+    is the gain the goodput controller weighs against k verified nodes (the issue's "number of tree nodes as
+    the cost, expected accepted depth as the gain"). A chain estimator would read "8 nodes, depth 1" as one
+    acceptance then a rejection, and value a 2-node tree as if it were the 8-node tree's first two levels.
+
+    p_j is learned globally (decayed counts per rank); each request scales it by how its accepted depth
+    compares with what the global profile predicted for its trees (code copies well, chat less). The answer
+    is in the chain form the controller takes: rates r_j = p_j / p_(j-1), whose running products are p_j.
+    """
+
+    name = "node-rank"
+
+    def __init__(self, prior: float = 0.6, prior_strength: float = 4.0, request_decay: float = 0.8,
+                 global_decay: float = 0.98, max_nodes: int = 64) -> None:
+        if not 0.0 < prior < 1.0:
+            raise ValueError(f"acceptance prior must be in (0, 1), got {prior}")
+        # prior p_j = prior / (j + 1): the best node is accepted often, later ones (siblings, deep nodes) rarely
+        self._ranks = [_Counts(prior / (j + 1) * prior_strength, (1 - prior / (j + 1)) * prior_strength)
+                       for j in range(max_nodes)]
+        self.prior_strength = prior_strength
+        self.request_decay = request_decay
+        self.global_decay = global_decay
+        self._requests: dict[str, _Counts] = {}  # success: accepted depth, failure: depth the profile predicted
+
+    def profile(self, k: int) -> list[float]:
+        """Global p_j for ranks 0..k-1, made non-increasing by pooling adjacent violators (a child can be
+        accepted more often than a less confident sibling ranked before it; pooling keeps their sum, which is
+        what a tree holding both is worth, where clipping would undervalue it)."""
+        blocks: list[list[float]] = []  # [sum, count] of pooled ranks
+        for j in range(k):
+            c = self._ranks[min(j, len(self._ranks) - 1)]
+            blocks.append([c.success / (c.success + c.failure), 1.0])
+            while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] < blocks[-1][0] / blocks[-1][1]:
+                total, count = blocks.pop()
+                blocks[-1][0] += total
+                blocks[-1][1] += count
+        return [total / count for total, count in blocks for _ in range(int(count))]
+
+    def level(self, request_id: str) -> float:
+        """The request's accepted depth over the profile's prediction for its trees (1 before any evidence)."""
+        own = self._requests.get(request_id) or _Counts()
+        return (own.success + self.prior_strength) / (own.failure + self.prior_strength)
+
+    def rates(self, request_id: str, k: int) -> list[float]:
+        level = self.level(request_id)
+        out, previous = [], 1.0
+        for p in self.profile(k):
+            p = min(_clamp(level * p), previous)
+            out.append(_clamp(p / previous))
+            previous = p
+        return out
+
+    def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
+        """A chain of the proposer's most confident nodes: its ranks are its depths."""
+        self.observe_nodes(request_id, num_draft, list(range(num_accepted)))
+
+    def observe_nodes(self, request_id: str, num_nodes: int, accepted_ranks: list[int]) -> None:
+        if num_nodes <= 0:
+            return
+        predicted = sum(self.profile(num_nodes))
+        self._requests.setdefault(request_id, _Counts()).add(len(accepted_ranks), predicted, self.request_decay)
+        accepted = set(accepted_ranks)
+        for j in range(min(num_nodes, len(self._ranks))):
+            hit = float(j in accepted)
+            self._ranks[j].add(hit, 1.0 - hit, self.global_decay)
+
+    def free(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+
+# chain estimators: the config's acceptance_estimator (tree drafters always use NodeRank, see make_estimator)
 ESTIMATORS: dict[str, type[AcceptanceEstimator]] = {
     e.name: e for e in (GlobalEMA, RequestBeta, PositionBeta, FirstPositionBeta)
 }
 DEFAULT_ESTIMATOR = "position-beta"
 
 
-def make_estimator(name: str = DEFAULT_ESTIMATOR, prior: float = 0.6) -> AcceptanceEstimator:
+def make_estimator(name: str = DEFAULT_ESTIMATOR, prior: float = 0.6, ranks_nodes: bool = False
+                   ) -> AcceptanceEstimator:
+    """The configured chain estimator, or NodeRank when the proposer's drafts are its most confident tree
+    nodes (Proposer.ranks_nodes): what a chain estimator learns does not describe a tree's gain."""
     if name not in ESTIMATORS:
         raise ValueError(f"unknown acceptance estimator {name!r}: expected one of {', '.join(ESTIMATORS)}")
-    return ESTIMATORS[name](prior=prior)
+    return NodeRank(prior=prior) if ranks_nodes else ESTIMATORS[name](prior=prior)
 
 
 def expected_tokens(a: float | list[float], k: int) -> float:

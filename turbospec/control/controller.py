@@ -87,6 +87,7 @@ class GoodputController:
         # a per-draft-forward cost makes the longest draft matter: search over depth caps (see choose_lengths)
         draft = model.parts.get("draft")
         self._depth_costs = draft is not None and any(c in ("draft_steps", "drafting") for c in draft.columns)
+        self._per_request_s = 0.0
 
     def choose(self, candidates: list[Candidate], base: StepFeatures, max_total: int | None = None) -> list[int]:
         """Draft lengths for this step's decoding requests; `base` is the step without any drafts, max_total
@@ -97,6 +98,7 @@ class GoodputController:
             log.warning("%d requests decode, but the step-time profile only measured batches up to %d: its costs "
                         "are extrapolated. Run `turbospec profile --batch-sizes ...` with larger batches.",
                         len(candidates), self._profiled_batch)
+        self._per_request_s = self.model.per_drafting_request_s()  # refitted online: read once per step
         rates = [self.estimator.rates(c.request_id, c.k_max) if c.k_max > 0 else [0.0] for c in candidates]
         activation = [self._activation_cost(c, r) for c, r in zip(candidates, rates)]
         choice = choose_lengths(rates, [c.k_max for c in candidates], self.model.spec_cost(base),
@@ -111,17 +113,28 @@ class GoodputController:
         return choice.ks
 
     def _activation_cost(self, c: Candidate, rates: list[float]) -> float:
-        """A draft model drafts for a request only after running over every token it has not seen: the whole
-        prompt the first time. That cost is paid once and buys speculation for the rest of the request, so
-        the choice charges each step its share: catch-up time / the steps left at full speculation."""
-        if c.catch_up <= 2 or c.k_max <= 0:  # the usual one or two tokens are part of the step's draft cost
+        """Seconds a request adds by drafting at all, whatever its k.
+
+        - Draft heads grow one candidate tree per request (k only picks how many of its nodes are verified): the
+          step-time model's per-drafting-request cost.
+        - A draft model drafts for a request only after running over every token it has not seen: the whole
+          prompt the first time. That cost is paid once and buys speculation for the rest of the request, so
+          the choice charges each step its share: catch-up time / the steps left at full speculation."""
+        if c.k_max <= 0:
             return 0.0
-        catch_up = self.model.predict_part("draft", StepFeatures(draft_tokens=c.catch_up,
-                                                                 draft_kv=c.catch_up * c.context // 2))
-        return catch_up / max(1.0, c.remaining / expected_tokens(rates, c.k_max))
+        cost = self._per_request_s
+        if c.catch_up > 2:  # the usual one or two tokens are part of the step's draft cost
+            catch_up = self.model.predict_part("draft", StepFeatures(draft_tokens=c.catch_up,
+                                                                     draft_kv=c.catch_up * c.context // 2))
+            cost += catch_up / max(1.0, c.remaining / expected_tokens(rates, c.k_max))
+        return cost
 
     def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         self.estimator.observe(request_id, num_draft, num_accepted)
+        self.num_observations += 1
+
+    def observe_nodes(self, request_id: str, num_nodes: int, accepted_ranks: list[int]) -> None:
+        self.estimator.observe_nodes(request_id, num_nodes, accepted_ranks)
         self.num_observations += 1
 
     def free(self, request_id: str) -> None:

@@ -52,11 +52,13 @@ def choose_lengths(rates: list[list[float]], k_max: list[int], cost: StepCost,
     plain = Choice([0] * n, float(n), cost(0, 0, 0))
     best = plain
     caps = range(1, max(k_max, default=0) + 1) if search_depth else [max(k_max, default=0)]
-    # A one-time activation cost sits on a request's first draft token, so the greedy order's prefixes would
-    # rarely skip past it: also try without the requests that carry one.
+    # An activation cost sits on a request's first draft token, so the greedy order's prefixes would rarely
+    # skip past it: also try without the requests that carry more than the least (a draft model's catch-up on
+    # top of the per-request cost every drafting request pays).
     limits = [k_max]
     if activation is not None and any(activation):
-        limits.append([0 if activation[i] > 0 else k for i, k in enumerate(k_max)])
+        least = min((a for a, k in zip(activation, k_max) if k > 0), default=0.0)
+        limits.append([0 if activation[i] > least else k for i, k in enumerate(k_max)])
     for limit in limits:
         for cap in caps:
             candidate = _greedy(rates, [min(k, cap) for k in limit], cost, contexts, max_total, activation)

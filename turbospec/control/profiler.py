@@ -53,8 +53,8 @@ GRIDS = {
 
 # Part of every profile's key: a profile measured the earlier way (one prompt shared by all requests, no
 # padded-slot feature; or version 3, whose fits could pick an attention-call feature dropped since) is measured
-# again rather than trusted.
-PROFILER_VERSION = "4"
+# again rather than trusted. Version 5: draft heads' time is the draft part (per drafting request), not overhead.
+PROFILER_VERSION = "5"
 
 
 class RepeatProposer(Proposer):

@@ -2,7 +2,8 @@
 
 A step has three parts, each a least-squares fit on its own features:
 - target: the target model's forward over every batched token (prefill chunks, decodes, drafts);
-- draft: the draft model's k autoregressive steps (zero for n-gram, whose proposals are nearly free);
+- draft: the draft model's k autoregressive steps, or the draft heads' tree per request (zero for n-gram,
+  whose proposals are nearly free);
 - overhead: scheduling, sampling, verification and bookkeeping.
 
 For each part several feature sets are tried. The one with the lowest held-out relative error (5-fold)
@@ -43,6 +44,9 @@ class StepFeatures:
     draft_steps: int = 0  # max k_i: autoregressive draft forwards
     draft_tokens: int = 0  # tokens the draft model processes (catch-up + k_i - 1 per drafting request)
     draft_kv: int = 0  # sum over drafting requests of k_i x context length
+    # requests a draft network ran for. Draft heads (Medusa, Hydra, EAGLE) cost the same for each, whatever
+    # its k: they grow one candidate tree, depth by depth, and k only picks how many of its nodes are verified
+    drafting_requests: int = 0
     # cache slots attention reads, padding included: requests padded to the longest context of their attention
     # group (attention_groups.py). Computed from the requests added when first read (gathered_slots())
     gathered: int = 0
@@ -132,6 +136,8 @@ CANDIDATES: dict[str, list[tuple[str, ...]]] = {
         ("draft_steps", "draft_tokens"),
         ("draft_steps", "draft_tokens", "draft_kv"),
         ("drafting", "draft_steps", "draft_tokens", "draft_kv"),
+        ("drafting_requests",),  # draft heads: a tree per request, k does not matter
+        ("drafting", "drafting_requests"),
     ],
     "overhead": [
         ("one", "batch"),
@@ -252,6 +258,12 @@ class StepTimeModel:
     def predict_part(self, part: str, f: StepFeatures) -> float:
         return self.parts[part].predict(f) if part in self.parts else 0.0
 
+    def per_drafting_request_s(self) -> float:
+        """Seconds each request adds by drafting at all (its `drafting_requests` coefficients). spec_cost leaves
+        them out, as it sees only the drafts' sums: the controller adds them per request (activation)."""
+        return max(0.0, sum(c for part in self.parts.values() for n, c in zip(part.columns, part.coef)
+                            if n == "drafting_requests"))
+
     def spec_cost(self, base: StepFeatures) -> Callable[[int, int, int], float]:
         """Predicted step time as a function of the speculative part only, with everything else fixed at `base`.
 
@@ -274,6 +286,8 @@ class StepTimeModel:
                     terms.append((coef, "max_k", float(base.draft_steps)))
                 elif name == "drafting":
                     terms.append((coef, "drafting", 0.0))
+                elif name == "drafting_requests":  # per drafting request: the controller's activation cost
+                    continue
                 elif name.startswith("hinge"):
                     terms.append((coef, "hinge", float(base.tokens - int(name[5:]))))
                 elif name.startswith("jump"):

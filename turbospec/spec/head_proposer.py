@@ -42,6 +42,7 @@ class TreeDrafter(Proposer):
     """Grows the trees; subclasses say how one depth of nodes is expanded (`_expand`)."""
 
     needs_hidden = True
+    ranks_nodes = True
 
     def __init__(self, depth: int, branch: int = 4, beam: int = 4) -> None:
         self.depth = depth
@@ -100,8 +101,12 @@ def _best_tree(nodes: list[_Node], k: int) -> Draft:
     chosen = [j for j in keep if _ancestors_kept(nodes, j, keep)]
     order = sorted(chosen, key=lambda j: (nodes[j].depth, j))
     where = {j: pos for pos, j in enumerate(order)}
+    by_score = sorted(chosen, key=lambda j: (-nodes[j].score, nodes[j].depth))
+    rank = {j: r for r, j in enumerate(by_score)}
     tree = TokenTree([nodes[j].token for j in order],
-                     [-1 if nodes[j].parent < 0 else where[nodes[j].parent] for j in order])
+                     [-1 if nodes[j].parent < 0 else where[nodes[j].parent] for j in order],
+                     [rank[j] for j in order])
+    # a chain's ranks are its depths (scores only fall along a path): verified on the linear path
     return Draft(tree.tokens, tree=None if tree.is_chain else tree)
 
 

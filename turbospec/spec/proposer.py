@@ -34,6 +34,9 @@ class Proposer(ABC):
     capture_layers: tuple[int, ...] = ()
     # True when the proposer reads observe_tree: its chains are verified as one-branch trees too
     observes_trees = False
+    # True when the proposer's k drafts are its k most confident nodes of one candidate tree (TokenTree.ranks):
+    # the goodput controller then values the k-th node by how often the node of rank k is accepted
+    ranks_nodes = False
 
     @abstractmethod
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Draft]:

@@ -33,12 +33,17 @@ if TYPE_CHECKING:
 class TokenTree:
     tokens: list[int]
     parents: list[int]  # -1: a child of the root; otherwise the index of an earlier node
+    # node i's place in the proposer's confidence order (0: its most probable node), when it ranks them: the
+    # goodput controller learns how often the node of each rank is accepted (control/acceptance.py, NodeRank)
+    ranks: list[int] | None = None
     depth: list[int] = field(init=False)  # 1 for the root's children
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
             raise ValueError(f"a tree needs one parent per token: {len(self.tokens)} tokens, {len(self.parents)} "
                              f"parents")
+        if self.ranks is not None and sorted(self.ranks) != list(range(len(self.tokens))):
+            raise ValueError(f"a tree's ranks must order its {len(self.tokens)} nodes, got {self.ranks}")
         self.depth = []
         for i, p in enumerate(self.parents):
             if not -1 <= p < i:
