@@ -174,16 +174,21 @@ def test_node_rank_learns_what_each_tree_size_is_worth():
     """The tree of k nodes is worth 1 + p_0 + ... + p_(k-1) (its expected accepted depth plus the bonus token),
     for every k, whatever the tree sizes it learned from. A chain estimator fed the same outcomes values a small
     tree as if it were the big tree's first levels."""
-    est, chain = NodeRank(prior=0.5), PositionBeta(prior=0.5)
+    # slow decay (a ~200-tree memory): the values are compared with the truth to a few hundredths
+    est, chain = NodeRank(prior=0.5, global_decay=0.995), PositionBeta(prior=0.5, global_decay=0.995)
     rng = random.Random(4)
     for i in range(600):
         size = rng.choice([2, 4, 8])
         accepted = _tree_outcome(rng, size)
         est.observe_nodes(f"r{i % 5}", size, accepted)
         chain.observe(f"r{i % 5}", size, len(accepted))
+    rates = est.rates("fresh", 8)  # what the controller asks for: the cap, then reads its prefixes
     for k in range(1, 9):
         truth = 1 + sum(TREE_TRUTH[:k])
-        assert expected_tokens(est.rates("fresh", k), k) == pytest.approx(truth, abs=0.08), k
+        value = expected_tokens(rates, k)
+        if k != 2:  # ranks 1 and 2 pool (rank 2, a child of rank 0, is accepted more often than rank 1)
+            assert value == pytest.approx(truth, abs=0.06), k
+        assert value >= truth - 0.06, k  # inside a pooled block: the concave hull, above the curve
     # a 2-node tree holds ranks 0 and 1 (0.79 expected), not the 8-node tree's first two levels (0.98)
     assert expected_tokens(chain.rates("fresh", 2), 2) > 1 + sum(TREE_TRUTH[:2]) + 0.12
 
@@ -201,6 +206,12 @@ def test_node_rank_scales_each_request_by_its_own_accepted_depth():
     assert all(0 < a < 1 for a in est.rates("copying", 8))
     est.free("copying")
     assert est.rates("copying", 8) == est.rates("fresh", 8)
+    # a request held to chains (a path, not ranked nodes) is a chain estimator's and leaves the ranks alone
+    before = est.rates("fresh", 8)
+    for _ in range(30):
+        est.observe("deterministic", 8, 6)
+    assert est.rates("fresh", 8) == before
+    assert expected_tokens(est.rates("deterministic", 8), 8) > 5
 
 
 def test_tree_drafters_pay_their_draft_once_per_request_and_choose_the_best_tree_size():
@@ -208,9 +219,9 @@ def test_tree_drafters_pay_their_draft_once_per_request_and_choose_the_best_tree
     and the node count the controller picks is the brute-force best of (1 + p_0 + ... ) / step time."""
     est = NodeRank(prior=0.5)
     rng = random.Random(6)
-    for _ in range(400):
-        est.observe_nodes("r", 8, _tree_outcome(rng))
-    p = est.profile(8)
+    for i in range(400):
+        est.observe_nodes(f"old{i % 5}", 8, _tree_outcome(rng))
+    value = [expected_tokens(est.rates("r", 8), n) for n in range(9)]  # r, s: fresh requests
 
     def controller(per_request: float) -> GoodputController:
         model = StepTimeModel({"target": LinearPart(("one", "tokens"), (0.1, 0.004)),
@@ -223,12 +234,14 @@ def test_tree_drafters_pay_their_draft_once_per_request_and_choose_the_best_tree
     f = StepFeatures(batch=1, tokens=4, kv=203, attn=609, spec_tokens=3, draft_steps=3, drafting_requests=1)
     assert cheap.model.spec_cost(base)(3, 3, 600) == pytest.approx(cheap.model.predict(f) - 0.01)  # left out there
     k = cheap.choose([Candidate("r", 8, 200)], base)[0]
-    worth = [(1 + sum(p[:n])) / (0.1 + 0.004 * (1 + n) + (0.01 if n else 0.0)) for n in range(9)]
+    worth = [value[n] / (0.1 + 0.004 * (1 + n) + (0.01 if n else 0.0)) for n in range(9)]
     assert k == max(range(9), key=worth.__getitem__) and 2 <= k < 8, (k, worth)
     assert controller(0.2).choose([Candidate("r", 8, 200)], base) == [0]  # the draft costs more than it gains
     two = controller(0.01).choose([Candidate("r", 8, 200), Candidate("s", 8, 200)],
                                   StepFeatures(batch=2, tokens=2, kv=400, attn=400))
-    assert two == [k, k]
+    pairs = {(a, b): (value[a] + value[b]) / (0.1 + 0.004 * (2 + a + b) + 0.01 * ((a > 0) + (b > 0)))
+             for a in range(9) for b in range(9)}
+    assert tuple(two) == max(pairs, key=pairs.__getitem__), (two, max(pairs, key=pairs.__getitem__))
 
 
 # --- step-time model -----------------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     prof.add_argument("--grid", default="full", choices=["brief", "full"])
     prof.add_argument("--batch-sizes", default=None, help="override the grid's, e.g. 1,2,4,8,16")
     prof.add_argument("--contexts", default=None, help="override the grid's context lengths, e.g. 128,512")
-    prof.add_argument("--ks", default=None, help="override the grid's draft lengths, e.g. 0,1,2,4,8")
+    prof.add_argument("--ks", default=None, help="override the grid's draft lengths, e.g. 0,1,2,4,8 (the speculative config's cap is always added)")
     prof.add_argument("--repeats", type=int, default=None, help="steps measured per grid point")
     prof.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
     _weight_format_flag(prof)

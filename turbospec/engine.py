@@ -36,7 +36,7 @@ from .spec.factory import build_proposer
 from .spec.ngram import NgramProposer
 from .spec.policies import DRAFT_DISTRIBUTION_POLICIES, LOSSLESS_POLICIES, RELAXES_JS, STOPS_DRAFTING, check_policy
 from .spec.stats import SpecDecodingStats
-from .spec.tree import compaction, verify_tree_greedy, verify_tree_sampled
+from .spec.tree import accepts_trees, compaction, verify_tree_greedy, verify_tree_sampled
 from .spec.verifier import synthetic_verify, verify
 
 log = logging.getLogger("turbospec.engine")
@@ -328,6 +328,7 @@ class LLMEngine:
         speculating = self.proposer is not None and self.spec_mode != 0
         self._ngram_drafts = {}
         sched = self.scheduler.schedule(self._spec_budget if speculating else None)
+        scheduled = time.perf_counter()  # scheduling (and the controller's choice) is overhead, not drafting
         draft_tokens, drafting = self._propose(sched) if speculating else (0, 0)
         proposed = time.perf_counter()
         if sched.is_empty:
@@ -356,7 +357,7 @@ class LLMEngine:
         self.last_sample = None
         if features is not None:
             # n-gram lookups are bookkeeping-sized: they count as overhead, not as a draft model
-            draft_s = proposed - start if draft_tokens or drafting else 0.0
+            draft_s = proposed - scheduled if draft_tokens or drafting else 0.0
             self.last_sample = StepSample(features, forwarded - proposed, draft_s,
                                           (end - start) - (forwarded - proposed) - draft_s)
             if learn:
@@ -441,7 +442,8 @@ class LLMEngine:
 
     def _propose(self, sched: SchedulerOutput) -> tuple[int, int]:
         """Fill each scheduled request's drafts; returns the tokens a draft model processed (0 for n-gram) and
-        the requests a draft network ran for (a draft model's or the heads': 0 for n-gram and lookahead)."""
+        the requests draft heads drafted for (their cost per request, whatever k; a draft model's cost is in its
+        tokens and forwards, so it counts none)."""
         assert self.proposer is not None
         spec = [s for s in sched.scheduled if s.num_spec_tokens > 0 and not s.request.check_tokens]
         for s in sched.scheduled:
@@ -463,7 +465,7 @@ class LLMEngine:
             s.request.spec_tree = d.tree if keep else None
             s.request.spec_draft_probs = d.probs
             s.request.spec_draft_soft, s.request.spec_draft_entropy = d.soft_probs, d.entropies or []
-        return draft_tokens, len(spec) if self.proposer.runs_model or self.proposer.needs_hidden else 0
+        return draft_tokens, sum(1 for d in drafts if d.tokens) if self.proposer.needs_hidden else 0
 
     def _update(self, sched: SchedulerOutput, out: ModelOutput) -> list[RequestOutput]:
         checking = {s.request.request_id for s in sched.scheduled if s.request.check_tokens}  # before _verify
@@ -535,9 +537,13 @@ class LLMEngine:
             else:
                 hit = lookup[num_drafts] == emitted[num_drafts][0]
             num_drafts, accepted = num_drafts + 1, accepted + hit
-        tree, path = req.spec_tree, self._tree_paths.get(req.request_id)
-        if tree is not None and tree.ranks is not None and path is not None:
-            self.controller.observe_nodes(req.request_id, num_drafts, [tree.ranks[n] for n in path])
+        if self.proposer is not None and self.proposer.ranks_nodes and accepts_trees(req):
+            # the drafts were the proposer's most confident nodes: a tree, or a chain when they formed one (its
+            # ranks are its depths); requests held to chains are a chain estimator's (NodeRank.observe)
+            tree, path = req.spec_tree, self._tree_paths.get(req.request_id)
+            ranked = tree is not None and tree.ranks is not None and path is not None
+            self.controller.observe_nodes(req.request_id, num_drafts,
+                                          [tree.ranks[n] for n in path] if ranked else list(range(accepted)))
         elif num_drafts:
             self.controller.observe(req.request_id, num_drafts, accepted)
 

@@ -180,6 +180,8 @@ class NodeRank(AcceptanceEstimator):
     p_j is learned globally (decayed counts per rank); each request scales it by how its accepted depth
     compares with what the global profile predicted for its trees (code copies well, chat less). The answer
     is in the chain form the controller takes: rates r_j = p_j / p_(j-1), whose running products are p_j.
+    Requests held to chains (deterministic modes, lossy acceptance) draft the single most probable path, whose
+    positions are no ranks of a tree: they report through ``observe`` and are a PositionBeta's.
     """
 
     name = "node-rank"
@@ -195,11 +197,15 @@ class NodeRank(AcceptanceEstimator):
         self.request_decay = request_decay
         self.global_decay = global_decay
         self._requests: dict[str, _Counts] = {}  # success: accepted depth, failure: depth the profile predicted
+        self._chain = PositionBeta(prior=prior)
+        self._chain_requests: set[str] = set()
 
     def profile(self, k: int) -> list[float]:
-        """Global p_j for ranks 0..k-1, made non-increasing by pooling adjacent violators (a child can be
-        accepted more often than a less confident sibling ranked before it; pooling keeps their sum, which is
-        what a tree holding both is worth, where clipping would undervalue it)."""
+        """Global p_j for ranks 0..k-1, made non-increasing by pooling adjacent violators. A child can be
+        accepted more often than a less confident sibling ranked before it. Pooling keeps their sum (what a tree
+        holding both is worth, which clipping would undervalue); within a pooled block the value is spread
+        evenly, i.e. the tree-value curve's concave hull, the shape the controller's greedy choice needs to
+        be exact."""
         blocks: list[list[float]] = []  # [sum, count] of pooled ranks
         for j in range(k):
             c = self._ranks[min(j, len(self._ranks) - 1)]
@@ -216,6 +222,8 @@ class NodeRank(AcceptanceEstimator):
         return (own.success + self.prior_strength) / (own.failure + self.prior_strength)
 
     def rates(self, request_id: str, k: int) -> list[float]:
+        if request_id in self._chain_requests:
+            return self._chain.rates(request_id, k)
         level = self.level(request_id)
         out, previous = [], 1.0
         for p in self.profile(k):
@@ -225,8 +233,9 @@ class NodeRank(AcceptanceEstimator):
         return out
 
     def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
-        """A chain of the proposer's most confident nodes: its ranks are its depths."""
-        self.observe_nodes(request_id, num_draft, list(range(num_accepted)))
+        """A request held to chains (its drafts are a path, not the most confident nodes)."""
+        self._chain_requests.add(request_id)
+        self._chain.observe(request_id, num_draft, num_accepted)
 
     def observe_nodes(self, request_id: str, num_nodes: int, accepted_ranks: list[int]) -> None:
         if num_nodes <= 0:
@@ -240,6 +249,8 @@ class NodeRank(AcceptanceEstimator):
 
     def free(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+        self._chain_requests.discard(request_id)
+        self._chain.free(request_id)
 
 
 # chain estimators: the config's acceptance_estimator (tree drafters always use NodeRank, see make_estimator)

@@ -58,7 +58,9 @@ def choose_lengths(rates: list[list[float]], k_max: list[int], cost: StepCost,
     limits = [k_max]
     if activation is not None and any(activation):
         least = min((a for a, k in zip(activation, k_max) if k > 0), default=0.0)
-        limits.append([0 if activation[i] > least else k for i, k in enumerate(k_max)])
+        cheapest = [0 if activation[i] > least else k for i, k in enumerate(k_max)]
+        if cheapest != k_max:  # (draft heads: every drafting request pays the same, nothing to leave out)
+            limits.append(cheapest)
     for limit in limits:
         for cap in caps:
             candidate = _greedy(rates, [min(k, cap) for k in limit], cost, contexts, max_total, activation)

@@ -46,14 +46,15 @@ class ProfileGrid:
 
 
 GRIDS = {
-    "brief": ProfileGrid((1, 4, 12), (128,), (0, 2, 6), 2),
+    "brief": ProfileGrid((1, 4, 12), (128,), (0, 1, 2, 4, 6), 2),
     "full": ProfileGrid((1, 2, 4, 8, 16, 32), (64, 512, 1024), (0, 1, 2, 4, 8), 3),
 }
 
 
 # Part of every profile's key: a profile measured the earlier way (one prompt shared by all requests, no
 # padded-slot feature; or version 3, whose fits could pick an attention-call feature dropped since) is measured
-# again rather than trusted. Version 5: draft heads' time is the draft part (per drafting request), not overhead.
+# again rather than trusted. Version 5: draft heads' time is the draft part (per drafting request), not overhead,
+# and the grid reaches the controller's cap.
 PROFILER_VERSION = "5"
 
 
@@ -87,6 +88,8 @@ def profile_key(engine: LLMEngine) -> dict[str, str]:
         "torch": torch.__version__,
         "speculation": "none" if spec is None else spec.method + (f":{spec.model}" if spec.model else ""),
     }
+    if spec is not None:  # the profile measures up to the controller's cap (profile_ks)
+        key["k_limit"] = str(spec.k_limit)
     weights = engine.loaded.weights
     if weights is not None and weights.packed_linears:  # packed kernels: other step times, and a kink at the
         # rows where each linear switches to dense (absent for dense models: old caches stay valid)
@@ -112,10 +115,25 @@ def prompt_lengths(context: int, batch: int) -> list[int]:
     return [max(1, round(context * (0.5 + i / (batch - 1)))) for i in range(batch)]
 
 
-def _grid_points(engine: LLMEngine, grid: ProfileGrid) -> list[tuple[int, int]]:
+def profile_ks(engine: LLMEngine, grid: ProfileGrid) -> tuple[int, ...]:
+    """The draft lengths to measure: the grid's and the most the controller may choose (k_limit), so its costs
+    near the cap are measured, not extrapolated. Ad hoc: a brief profile that stopped at k = 6 priced the 1.5B
+    target's 9-token EAGLE verify at 0.8x a plain step (a step-down column fitted where no step was measured),
+    and the controller then always chose it. Packed linears switch kernels at their crossover rows: single
+    requests are measured on both sides of it."""
+    if engine.proposer is None or engine.spec is None:
+        return (0,)
+    ks = set(grid.ks) | {engine.spec.k_limit}
+    weights = engine.loaded.weights
+    if weights is not None and weights.crossover:
+        ks |= {k for r in weights.crossover.values() for k in (r - 1, r) if 0 <= k <= max(ks)}
+    return tuple(sorted(ks))
+
+
+def _grid_points(engine: LLMEngine, grid: ProfileGrid, ks: tuple[int, ...]) -> list[tuple[int, int]]:
     """(context, batch) pairs that fit the engine's limits."""
-    k_max = max(grid.ks)
-    steps = len(grid.ks) * (grid.repeats + 1) + 4
+    k_max = max(ks)
+    steps = len(ks) * (grid.repeats + 1) + 4
     points = []
     for ctx in grid.contexts:
         for b in grid.batch_sizes:
@@ -141,14 +159,12 @@ def profile_engine(engine: LLMEngine, grid: ProfileGrid, progress: bool = True, 
     engine.synthetic_acceptance = 0.0
     engine.sample_steps = True
     samples: list[StepSample] = []
-    points = _grid_points(engine, grid)
-    ks = grid.ks if engine.proposer is not None else (0,)
-    weights = engine.loaded.weights
-    if engine.proposer is not None and weights is not None and weights.crossover:
-        # packed linears switch kernels at their crossover rows: measure single requests on both sides of it
-        top = max(grid.ks)
-        near = {k for r in weights.crossover.values() for k in (r - 1, r) if 0 <= k <= top}
-        ks = tuple(sorted(set(ks) | near))
+    ks = profile_ks(engine, grid)
+    points = _grid_points(engine, grid, ks)
+    if not points:
+        raise ValueError(f"no profile grid point fits this engine (max_model_len {engine.max_model_len}, "
+                         f"max_num_seqs {engine.config.max_num_seqs}, {engine.kv.num_blocks} KV blocks) with drafts "
+                         f"up to k = {max(ks)}: raise max_model_len or lower max_speculative_tokens")
     bar = tqdm(total=len(points) * len(ks), desc="profiling step time", unit="pt", disable=not progress)
 
     def step() -> None:

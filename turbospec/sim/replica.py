@@ -116,7 +116,6 @@ class Replica:
             features.add(s.start, s.num_new, k)
             if k and not self.policy.free_proposals:  # a draft model runs one token per draft (catch-up of 1)
                 features.draft_tokens += k
-                features.drafting_requests += 1
         seconds = self.cost.seconds(features)
         self._batch = verified
         self.busy_until = now + seconds

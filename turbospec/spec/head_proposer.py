@@ -97,11 +97,11 @@ class TreeDrafter(Proposer):
 
 def _best_tree(nodes: list[_Node], k: int) -> Draft:
     # the k best by score; ties go to the shallower node, so a parent always precedes its children
-    keep = set(heapq.nsmallest(k, range(len(nodes)), key=lambda j: (-nodes[j].score, nodes[j].depth)))
+    keep = set(heapq.nsmallest(k, range(len(nodes)), key=lambda j: (-nodes[j].score, nodes[j].depth, j)))
     chosen = [j for j in keep if _ancestors_kept(nodes, j, keep)]
     order = sorted(chosen, key=lambda j: (nodes[j].depth, j))
     where = {j: pos for pos, j in enumerate(order)}
-    by_score = sorted(chosen, key=lambda j: (-nodes[j].score, nodes[j].depth))
+    by_score = sorted(chosen, key=lambda j: (-nodes[j].score, nodes[j].depth, j))
     rank = {j: r for r, j in enumerate(by_score)}
     tree = TokenTree([nodes[j].token for j in order],
                      [-1 if nodes[j].parent < 0 else where[nodes[j].parent] for j in order],
