@@ -16,7 +16,7 @@ does). Rows:
 Columns per data set: tokens/s (generated tokens over wall time, prefill included), speedup over the same
 engine's plain row, tau (tokens per verification step) and whether the output equals plain decoding.
 
-    .venv/bin/python benchmarks/proposer_zoo.py                       # full run (about 35 minutes here)
+    .venv/bin/python benchmarks/proposer_zoo.py                       # full run (about 46 minutes here)
     .venv/bin/python benchmarks/proposer_zoo.py --models smollm2-135m --prompts 1 --max-tokens 16 --out /tmp/zoo
 """
 

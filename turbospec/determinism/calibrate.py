@@ -62,6 +62,8 @@ class MarginCalibration:
 def calibration_key(engine: LLMEngine) -> dict[str, str]:
     key = profile_key(engine)
     key.pop("speculation", None)  # margins do not depend on the proposer
+    key.pop("k_limit", None)  # nor on its draft cap
+    key.pop("profiler", None)  # nor on the step-time profiler's version
     if "weights" in key:  # the fast path's kernels set the drift: by format, not by the measured crossovers
         key["weights"] = key["weights"].split(":", 1)[0]
     # calibrated on one process (a split engine cannot run the private calibration engine): the all-reduce's

@@ -73,6 +73,8 @@ class LayerSkipPlan:
 def plan_key(engine: LLMEngine) -> dict[str, str]:
     key = profile_key(engine)
     key.pop("speculation", None)
+    key.pop("k_limit", None)  # the draft cap the controller may use: the same plan
+    key.pop("profiler", None)  # the step-time profiler's version: the search has its own ("search" below)
     key.pop("threads", None)  # the search reads acceptance, not time
     key.pop("weights", None)  # packed or dense, the same model up to rounding: the same plan
     key.pop("tensor_parallel", None)  # searched on one process; the split model computes the same one
