@@ -87,7 +87,6 @@ class GoodputController:
         # a per-draft-forward cost makes the longest draft matter: search over depth caps (see choose_lengths)
         draft = model.parts.get("draft")
         self._depth_costs = draft is not None and any(c in ("draft_steps", "drafting") for c in draft.columns)
-        self._per_request_s = 0.0
 
     def choose(self, candidates: list[Candidate], base: StepFeatures, max_total: int | None = None) -> list[int]:
         """Draft lengths for this step's decoding requests; `base` is the step without any drafts, max_total
@@ -98,9 +97,9 @@ class GoodputController:
             log.warning("%d requests decode, but the step-time profile only measured batches up to %d: its costs "
                         "are extrapolated. Run `turbospec profile --batch-sizes ...` with larger batches.",
                         len(candidates), self._profiled_batch)
-        self._per_request_s = self.model.per_drafting_request_s()  # refitted online: read once per step
         rates = [self.estimator.rates(c.request_id, c.k_max) if c.k_max > 0 else [0.0] for c in candidates]
-        activation = [self._activation_cost(c, r) for c, r in zip(candidates, rates)]
+        per_request = self.model.per_drafting_request_s()  # refitted online: read once per step
+        activation = [self._activation_cost(c, r, per_request) for c, r in zip(candidates, rates)]
         choice = choose_lengths(rates, [c.k_max for c in candidates], self.model.spec_cost(base),
                                 [c.context for c in candidates],
                                 min_gain=0.0 if self.speculating else self.switch_on_gain, max_total=max_total,
@@ -112,7 +111,7 @@ class GoodputController:
         self.stats.controller_s += time.perf_counter() - start
         return choice.ks
 
-    def _activation_cost(self, c: Candidate, rates: list[float]) -> float:
+    def _activation_cost(self, c: Candidate, rates: list[float], per_request: float) -> float:
         """Seconds a request adds by drafting at all, whatever its k.
 
         - Draft heads grow one candidate tree per request (k only picks how many of its nodes are verified): the
@@ -122,7 +121,7 @@ class GoodputController:
           the choice charges each step its share: catch-up time / the steps left at full speculation."""
         if c.k_max <= 0:
             return 0.0
-        cost = self._per_request_s
+        cost = per_request
         if c.catch_up > 2:  # the usual one or two tokens are part of the step's draft cost
             catch_up = self.model.predict_part("draft", StepFeatures(draft_tokens=c.catch_up,
                                                                      draft_kv=c.catch_up * c.context // 2))
