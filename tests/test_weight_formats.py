@@ -244,7 +244,10 @@ def test_requantizing_rounds_each_group_of_32_to_its_nearest_of_16_levels():
 def test_a_requantized_model_holds_only_4_bit_parts_and_says_so():
     exact = load_model("smollm2-135m", "float32", weight_format="int4", progress=False).weights
     four = load_model("smollm2-135m", "float32", weight_format="int4", requantize=True, progress=False).weights
-    assert exact.part_kinds["int8"] >= 1 and set(four.part_kinds) == {"int4"}  # the Q8_0 head too
+    # the Q8_0 head is int8, unless its packed kernel timed slower than dense at every row count here (it is then
+    # kept dense: seen on an AMD EPYC, where our int8 kernel runs its portable loop and the timing is close)
+    head_packed = "lm_head.weight" not in exact.kept_dense
+    assert exact.part_kinds["int8"] == int(head_packed) and set(four.part_kinds) == {"int4"}
     assert four.packed_bytes < exact.packed_bytes
     assert "(requantised to 4 bits)" in four.line() and "requantised" not in exact.line()
 

@@ -3,10 +3,12 @@
 import logging
 import sys
 
-from . import amx_available, failure, load
+from . import _flags, amx_available, failure, load
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 built = load(verbose="-v" in sys.argv) is not None
-amx = "; AMX kernels in use" if amx_available() else "; no AMX here: torch's int4 and our AVX-512 int8 kernel in use"
+# the int8 kernel is built with AVX-512 where torch reports it, else as its portable loop (AVX2 CPUs, ARM)
+simd = "AVX-512" if "-mavx512f" in _flags() else "portable"
+amx = "; AMX kernels in use" if amx_available() else f"; no AMX here: torch's int4 and our {simd} int8 kernel in use"
 fallback = f"pure-torch fallback in use ({failure()})"
 print("turbospec kernels: " + ("grouped int8 kernel built" + amx if built else fallback))
