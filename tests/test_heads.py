@@ -204,6 +204,22 @@ def test_committed_heads_are_exact_and_accepted(plain, method):
     assert llm.engine.blocks.num_free_blocks == llm.engine.kv.num_blocks
 
 
+def test_eagle_drafts_deeper_than_it_was_trained_and_stays_exact(plain):
+    """tree_depth past the trained depth: the layer reads its own outputs once more per level."""
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in plain.generate(SPEC_PROMPTS, greedy, use_tqdm=False)]
+    llm = LLM(MODEL, dtype="float32", num_threads=1, max_model_len=512, kv_cache_memory_gib=0.1, progress=False,
+              speculative_config={"method": "eagle", "num_speculative_tokens": 12, "tree_depth": 6})
+    proposer = llm.engine.proposer
+    assert isinstance(proposer, EagleProposer) and proposer.depth == 6 > proposer.draft.config.depth
+    deepest = []
+    real = proposer.propose
+    proposer.propose = lambda reqs, ks: [deepest.append(max(d.tree.depth) if d.tree else len(d.tokens)) or d
+                                         for d in real(reqs, ks)]
+    assert [o.outputs[0].token_ids for o in llm.generate(SPEC_PROMPTS, greedy, use_tqdm=False)] == want
+    assert max(deepest) > proposer.draft.config.depth
+
+
 def test_committed_heads_fit_the_repository_budget():
     files = sorted(HEADS_DIR.glob("*.safetensors"))
     assert {f.name for f in files} >= {f"{MODEL}-{m}.safetensors" for m in ("medusa", "hydra", "eagle")}
@@ -225,6 +241,13 @@ def test_missing_or_mismatched_heads_are_refused(tmp_path):
         LLM(MODEL, speculative_config={"method": "ngram", "heads": "x"})
     with pytest.raises(ValueError, match="tree_branch must be an integer >= 1"):
         LLM(MODEL, speculative_config={"method": "medusa", "tree_branch": 0})
+    with pytest.raises(ValueError, match="tree_depth must be an integer >= 1 or null"):
+        LLM(MODEL, speculative_config={"method": "eagle", "tree_depth": 0})
+    with pytest.raises(ValueError, match="tree_depth only applies to methods medusa, hydra, eagle, not 'ngram'"):
+        LLM(MODEL, speculative_config={"method": "ngram", "tree_depth": 3})
+    with pytest.raises(ValueError, match="tree_depth 9 is deeper than the 4 heads"):
+        LLM(MODEL, dtype="float32", max_model_len=128, kv_cache_memory_gib=0.05, progress=False,
+            speculative_config={"method": "hydra", "tree_depth": 9})
 
 
 @pytest.mark.parametrize("flags, message", [(["--method", "dart"], "invalid choice: 'dart'"),

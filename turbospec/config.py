@@ -137,6 +137,9 @@ class SpeculativeConfig:
     heads: str | None = None
     # heads: children tried per expanded node when a request's drafts may branch (1: chains only)
     tree_branch: int = 4
+    # heads: draft steps per tree, i.e. its deepest level; None: one per head (Medusa, Hydra) or the EAGLE layer's
+    # trained depth. EAGLE may go deeper: its layer reads its own outputs at every step, trained depth or not.
+    tree_depth: int | None = None
     # method "lookahead": Jacobi window length and n-gram size of its pool (spec/lookahead.py)
     lookahead_window: int = 4
     lookahead_ngram: int = 3
@@ -193,8 +196,12 @@ class SpeculativeConfig:
                                  f"{self.lookahead_ngram}")
         if self.method in HEAD_METHODS:
             check_positive("tree_branch", self.tree_branch)
-        elif self.heads is not None:
-            raise ValueError(f"heads only applies to methods {', '.join(HEAD_METHODS)}, not {self.method!r}")
+            if self.tree_depth is not None:
+                check_positive("tree_depth", self.tree_depth, "or null (the heads' own depth)")
+        else:
+            for name in ("heads", "tree_depth"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} only applies to methods {', '.join(HEAD_METHODS)}, not {self.method!r}")
         v = self.draft_vocab_size
         if v not in ("auto", None) and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise ValueError(f"draft_vocab_size must be \"auto\", null or an integer >= 0 (0: the full vocabulary), "

@@ -83,11 +83,16 @@ def _head_proposer(spec: SpeculativeConfig, engine: LLMEngine) -> TreeDrafter:
     if spec.method == "eagle":
         draft, _ = EagleDraft.load(path, engine.dtype)
         draft.attach(lm_weight, model.embed.weight, model.lm_head_packed)
-        log.info("eagle draft (window %d, depth %d, %d draft tokens) from %s", draft.config.window,
-                 draft.config.depth, len(draft.vocab), path)
-        return EagleProposer(draft, branch=spec.tree_branch, beam=spec.tree_branch)
+        depth = spec.tree_depth or draft.config.depth
+        log.info("eagle draft (window %d, trained depth %d, trees %d deep, %d draft tokens) from %s",
+                 draft.config.window, draft.config.depth, depth, len(draft.vocab), path)
+        return EagleProposer(draft, branch=spec.tree_branch, beam=spec.tree_branch, depth=depth)
     heads, _ = DraftHeads.load(path, engine.dtype)
     heads.attach(lm_weight, model.embed.weight, model.lm_head_packed)
     log.info("%s: %d heads (rank %d, %d draft tokens) from %s", spec.method, heads.config.num_heads,
              heads.config.rank, len(heads.vocab), path)
-    return HeadProposer(heads, branch=spec.tree_branch, beam=spec.tree_branch)
+    if spec.tree_depth is not None and spec.tree_depth > heads.config.num_heads:
+        raise ValueError(f"tree_depth {spec.tree_depth} is deeper than the {heads.config.num_heads} heads in {path} "
+                         f"(each head drafts one level): use at most {heads.config.num_heads}, or null")
+    return HeadProposer(heads, branch=spec.tree_branch, beam=spec.tree_branch,
+                        depth=spec.tree_depth or heads.config.num_heads)

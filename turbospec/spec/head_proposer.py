@@ -122,8 +122,8 @@ def _ancestors_kept(nodes: list[_Node], j: int, keep: set[int]) -> bool:
 class HeadProposer(TreeDrafter):
     """Medusa / Hydra heads (heads.py) on the hidden state that chose the request's last token."""
 
-    def __init__(self, heads: DraftHeads, branch: int = 4, beam: int = 4) -> None:
-        super().__init__(heads.config.num_heads, branch, beam)
+    def __init__(self, heads: DraftHeads, branch: int = 4, beam: int = 4, depth: int | None = None) -> None:
+        super().__init__(depth or heads.config.num_heads, branch, beam)
         self.heads = heads
         self.hidden: dict[str, torch.Tensor] = {}
 
@@ -152,8 +152,8 @@ class HeadProposer(TreeDrafter):
 class EagleProposer(TreeDrafter):
     """The EAGLE-style draft layer (eagle.py) over a window of the request's recent fused target features."""
 
-    def __init__(self, draft: EagleDraft, branch: int = 4, beam: int = 4) -> None:
-        super().__init__(draft.config.depth, branch, beam)
+    def __init__(self, draft: EagleDraft, branch: int = 4, beam: int = 4, depth: int | None = None) -> None:
+        super().__init__(depth or draft.config.depth, branch, beam)  # deeper than trained: the layer reads itself
         self.draft = draft
         self.capture_layers = tuple(draft.config.feature_layers)
         self.window: dict[str, deque[tuple[torch.Tensor, int]]] = {}  # request -> (state, token) entries
