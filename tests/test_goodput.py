@@ -154,6 +154,21 @@ def test_position_estimator_learns_falling_acceptance():
     assert GlobalEMA().rates("x", 3) == [0.6] * 3
 
 
+def test_positions_the_controller_stopped_drafting_forget_old_evidence():
+    """Censoring: position j is only seen when k >= j. Chat-like traffic taught that position 4 fails; on
+    code every request then accepts all 3 drafts it is given. The stale position-4 evidence must age (towards the
+    global rate) even though position 4 is never drafted, or k = 3 stays chosen for good."""
+    est = PositionBeta(prior=0.5)
+    cost = linear_cost(1.0, 0.02, 0.15)(1)  # a draft model: every draft forward costs 15% of a target step
+    for i in range(100):  # chat: positions 1-3 pass, position 4 fails
+        est.observe(f"chat{i % 10}", 4, 3)
+    for i in range(200):  # code: k = 3, always fully accepted (position 4 is never drafted); ~4 memory lengths
+        est.observe(f"code{i // 20}", 3, 3)
+    rates = est.rates("code9", 8)
+    assert rates[3] > 0.8, rates
+    assert choose_lengths([rates], [8], cost).ks[0] >= 4
+
+
 # A draft head's candidate tree, by node rank: rank 0 (the best first token) is accepted with 0.7; rank 1 (its
 # sibling) with 0.3 of the rest; rank 2 is rank 0's child (accepted with 0.4 after it), rank 3 rank 1's child.
 TREE_TRUTH = [0.7, 0.3 * 0.3, 0.7 * 0.4, 0.09 * 0.5, 0.0, 0.0, 0.0, 0.0]

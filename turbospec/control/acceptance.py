@@ -118,9 +118,15 @@ class RequestBeta(AcceptanceEstimator):
 class PositionBeta(RequestBeta):
     """RequestBeta's per-request level, shaped by a global per-position profile.
 
-    Acceptance usually falls with position (REFERENCE.md section 2): a_ij = request_rate_i x g_j / g, where g_j
-    is the global conditional acceptance at position j and g the global rate. The per-position shape is
-    learned from every request, the level per request, so neither needs much data.
+    Acceptance usually falls with position (REFERENCE.md section 2): a_ij = L_i x g_j / g, where g_j is the
+    global conditional acceptance at position j, g the global rate and L_i the request's level. The per-position
+    shape is learned from every request, the level per request, so neither needs much data.
+
+    A position is only seen when the controller drafts that far, so evidence about the positions it stopped
+    drafting ages with every verification too (decayed towards the global rate): otherwise a shift (chat ->
+    code) never reaches them, and a short k chosen on chat's figures stays chosen on code (a censoring trap,
+    tests/test_goodput.py). Valuing the level's uncertainty (E[L^j] for the j-th position rather than E[L]^j) was
+    tried and raised the prediction error on the recorded traces (mean MAE 2.10 -> 2.19, acceptance_estimators.py).
     """
 
     name = "position-beta"
@@ -143,10 +149,17 @@ class PositionBeta(RequestBeta):
 
     def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         super().observe(request_id, num_draft, num_accepted)
+        if num_draft <= 0:
+            return
         # position j (0-based) was reached iff the first j drafts were accepted
         for j in range(min(num_draft, num_accepted + 1, len(self._positions))):
             accepted = j < num_accepted
             self._positions[j].add(float(accepted), float(not accepted), self.global_decay)
+        # positions past the draft were not tried at all (the controller's choice, not the draft's failure): their
+        # evidence ages. Positions drafted but cut off by an earlier rejection keep theirs: deep positions are
+        # rarely reached by nature, and aging them would wash their (low) rates out.
+        for counts in self._positions[num_draft:]:
+            counts.add(0.0, 0.0, self.global_decay)
 
 
 class FirstPositionBeta(PositionBeta):
