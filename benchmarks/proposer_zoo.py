@@ -106,7 +106,8 @@ def run_turbospec(args: argparse.Namespace, model: str, specs: dict[str, dict[st
             results[row]["sets"][name] = {"outputs": outputs[row], "seconds": seconds[row],
                                           "tokens": sum(map(len, outputs[row])),
                                           "tau": stats.get("mean_accepted_length") or None,
-                                          "mean_k": stats.get("mean_k"), "k_histogram": stats.get("k_histogram")}
+                                          "mean_k": stats.get("mean_k"), "k_histogram": stats.get("k_histogram"),
+                                          "controller": stats.get("controller")}  # its own time among them
     del llms
     gc.collect()
     return list(results.values())
@@ -211,6 +212,11 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                           for name in ("mt-bench", "humaneval")]
                 lines.append(f"- {adaptive['model']}: adaptive over {what}, measured alongside it prompt by prompt: "
                              f"{', '.join(ratios)} (target: at least 1.00x)")
+        shares = [f"{name} {s['controller']['controller_overhead']:.2%}" for name, s in adaptive["sets"].items()
+                  if s.get("controller")]
+        if shares:
+            lines.append(f"- {adaptive['model']}: the controller's own time, share of the adaptive row's step time: "
+                         f"{', '.join(shares)}")
     return "\n".join(lines) + "\n"
 
 
@@ -264,7 +270,9 @@ def main() -> None:
                 return sum(plain["sets"][s]["seconds"] / r["sets"][s]["seconds"] for s in r["sets"])
 
             best = max(fixed, key=speed)
-            spec = {**best["spec"], "num_speculative_tokens": "auto"}
+            # the controller may go as far as the fixed row does (the default cap, 8, is below a 16-node tree)
+            cap = max(8, int(best["spec"]["num_speculative_tokens"]))
+            spec = {**best["spec"], "num_speculative_tokens": "auto", "max_speculative_tokens": cap}
             # plain and the best fixed row once more, alongside the adaptive one (taking turns prompt by prompt):
             # the comparison the target is about (k = 0 is a fixed setting too), free of the drift between runs
             plain_alongside, alongside, adaptive = run_turbospec(
