@@ -167,6 +167,12 @@ def test_positions_the_controller_stopped_drafting_forget_old_evidence():
     rates = est.rates("code9", 8)
     assert rates[3] > 0.8, rates
     assert choose_lengths([rates], [8], cost).ks[0] >= 4
+    # positions drafted but cut off by an earlier rejection were tried: their evidence stays (deep positions are
+    # rarely reached by nature, and their low rates are real)
+    before = [(c.success, c.failure) for c in est._positions[:8]]
+    est.observe("code9", 8, 1)
+    after = [(c.success, c.failure) for c in est._positions[:8]]
+    assert after[2:] == before[2:]
 
 
 # A draft head's candidate tree, by node rank: rank 0 (the best first token) is accepted with 0.7; rank 1 (its

@@ -248,7 +248,8 @@ def test_a_requantized_model_holds_only_4_bit_parts_and_says_so():
     # kept dense: seen on an AMD EPYC, where our int8 kernel runs its portable loop and the timing is close)
     head_packed = "lm_head.weight" not in exact.kept_dense
     assert exact.part_kinds["int8"] == int(head_packed) and set(four.part_kinds) == {"int4"}
-    assert four.packed_bytes < exact.packed_bytes
+    # fewer bytes only where the head (the file's one Q8_0 tensor) was packed and so had something to round
+    assert four.packed_bytes < exact.packed_bytes if head_packed else four.packed_bytes <= exact.packed_bytes
     assert "(requantised to 4 bits)" in four.line() and "requantised" not in exact.line()
 
 

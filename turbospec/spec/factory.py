@@ -78,6 +78,10 @@ def _head_proposer(spec: SpeculativeConfig, engine: LLMEngine) -> TreeDrafter:
     if model_name != engine.config.model:
         log.warning("heads in %s were trained for %s, not %s: drafts may be poor (output stays exact)", path,
                     model_name, engine.config.model)
+    num_heads = config.get("num_heads")
+    if spec.method != "eagle" and spec.tree_depth is not None and spec.tree_depth > num_heads:  # type: ignore[operator]
+        raise ValueError(f"tree_depth {spec.tree_depth} is deeper than the {num_heads} heads in {path} (each head "
+                         f"drafts one level): use at most {num_heads}, or null")
     model = engine.loaded.model
     lm_weight = model.embed.weight if model.lm_head is None else model.lm_head.weight
     if spec.method == "eagle":
@@ -91,8 +95,5 @@ def _head_proposer(spec: SpeculativeConfig, engine: LLMEngine) -> TreeDrafter:
     heads.attach(lm_weight, model.embed.weight, model.lm_head_packed)
     log.info("%s: %d heads (rank %d, %d draft tokens) from %s", spec.method, heads.config.num_heads,
              heads.config.rank, len(heads.vocab), path)
-    if spec.tree_depth is not None and spec.tree_depth > heads.config.num_heads:
-        raise ValueError(f"tree_depth {spec.tree_depth} is deeper than the {heads.config.num_heads} heads in {path} "
-                         f"(each head drafts one level): use at most {heads.config.num_heads}, or null")
     return HeadProposer(heads, branch=spec.tree_branch, beam=spec.tree_branch,
                         depth=spec.tree_depth or heads.config.num_heads)
