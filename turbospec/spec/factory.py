@@ -87,13 +87,12 @@ def _head_proposer(spec: SpeculativeConfig, engine: LLMEngine) -> TreeDrafter:
     if spec.method == "eagle":
         draft, _ = EagleDraft.load(path, engine.dtype)
         draft.attach(lm_weight, model.embed.weight, model.lm_head_packed)
-        depth = spec.tree_depth or draft.config.depth
+        proposer: TreeDrafter = EagleProposer(draft, spec.tree_branch, spec.tree_branch, spec.tree_depth)
         log.info("eagle draft (window %d, trained depth %d, trees %d deep, %d draft tokens) from %s",
-                 draft.config.window, draft.config.depth, depth, len(draft.vocab), path)
-        return EagleProposer(draft, branch=spec.tree_branch, beam=spec.tree_branch, depth=depth)
+                 draft.config.window, draft.config.depth, proposer.depth, len(draft.vocab), path)
+        return proposer
     heads, _ = DraftHeads.load(path, engine.dtype)
     heads.attach(lm_weight, model.embed.weight, model.lm_head_packed)
     log.info("%s: %d heads (rank %d, %d draft tokens) from %s", spec.method, heads.config.num_heads,
              heads.config.rank, len(heads.vocab), path)
-    return HeadProposer(heads, branch=spec.tree_branch, beam=spec.tree_branch,
-                        depth=spec.tree_depth or heads.config.num_heads)
+    return HeadProposer(heads, spec.tree_branch, spec.tree_branch, spec.tree_depth)
