@@ -1,6 +1,7 @@
 """Our own compiled CPU kernels, built on first use with torch's extension builder: the grouped int8 matmul
-(AVX-512), the AMX products for grouped int4 / int8 weights (`amx_grouped.cpp`, used where the CPU has AMX) and
-fused bf16 RMSNorm / rotary operators (`fused_ops.cpp`, used by models/layers.py).
+(AVX-512), the AMX products for grouped int4 / int8 weights (`amx_grouped.cpp`, used where the CPU has AMX),
+fused bf16 RMSNorm / rotary operators (`fused_ops.cpp`, used by models/layers.py) and a bf16 matmul for CPUs
+without bf16 arithmetic (`bf16_rows.cpp`, used by layers.row_linear where it measures faster than torch's).
 
 The build needs a C++ compiler and ninja; it is cached in `turbospec/kernels/_build`, and `make setup`
 runs it once (`python -m turbospec.kernels`). When it cannot be built (no compiler, another OS) or
@@ -22,7 +23,8 @@ import torch
 
 log = logging.getLogger("turbospec.kernels")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("grouped_int8.cpp", "amx_grouped.cpp", "fused_ops.cpp")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("grouped_int8.cpp", "amx_grouped.cpp", "fused_ops.cpp", "bf16_rows.cpp")]
 GROUP = 16
 _module: Any = None
 _failure: str | None = None
@@ -132,3 +134,87 @@ def fused_ops() -> Any:
 
 
 _NO_FUSED = os.environ.get("TURBOSPEC_NO_FUSED") == "1"  # read once: the layers ask on every call
+
+# bf16 linears: our kernel or torch's, decided by timing both on two probe shapes (an attention-sized and an
+# MLP-down-sized linear of a ~1B model) at decode, verification and prefill row counts
+BF16_PROBE_SHAPES = ((2048, 1536), (1536, 4096))  # (out, in)
+BF16_PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
+_bf16_limits: dict[int, float] = {}  # torch threads -> rows limit, for this process
+
+
+def bf16_rows_limit() -> float:
+    """Up to how many rows a bf16 linear runs our kernel (`bf16_rows.cpp`) instead of torch's: the largest count
+    up to which ours was faster at every count measured, infinity when it won at all of them (then longer prefill
+    chunks run it too: its cost grows linearly past 64 rows, like torch's), 0 where it cannot run or
+    TURBOSPEC_NO_BF16_ROWS=1 (for side-by-side measurements). Measured once per machine, torch thread count and
+    build (about a second), cached under $TURBOSPEC_HOME/kernels."""
+    threads = torch.get_num_threads()
+    if threads not in _bf16_limits:
+        _bf16_limits[threads] = _measure_bf16_limit(threads)
+    return _bf16_limits[threads]
+
+
+def _measure_bf16_limit(threads: int) -> float:
+    if (os.environ.get("TURBOSPEC_NO_BF16_ROWS") == "1" or load() is None
+            or not torch.ops.turbospec.bf16_rows_available()):
+        return 0.0
+    import json
+
+    from ..control.profiler import hardware_name  # here: the profiler imports the engine, which imports us
+    from ..models.crossover import best_ms
+    from ..models.registry import turbospec_home
+
+    key = f"{hardware_name('cpu')}|{threads}|{torch.__version__}|{build_id()}"
+    path = turbospec_home() / "kernels" / f"bf16-rows-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
+    try:
+        return float(json.loads(path.read_text())["limit"])
+    except (OSError, ValueError, KeyError):
+        pass
+    gen = torch.Generator().manual_seed(0)
+    limit, timings = float("inf"), {}
+    for out_features, in_features in BF16_PROBE_SHAPES:
+        w = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+        for rows in BF16_PROBE_ROWS:
+            if rows > limit:
+                break
+            x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+            ours, theirs = best_ms((lambda: bf16_rows_mm(x, w), lambda: torch.nn.functional.linear(x, w)), 5)
+            timings[f"{out_features}x{in_features}:{rows}"] = [ours, theirs]
+            if ours >= theirs:
+                limit = rows - 1 if rows == 1 else BF16_PROBE_ROWS[BF16_PROBE_ROWS.index(rows) - 1]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.partial")
+    tmp.write_text(json.dumps({"key": key, "limit": limit, "ms": timings}, indent=1))  # json writes inf as Infinity
+    tmp.rename(path)
+    log.info("bf16 linears of up to %s rows run our kernel (bf16_rows.cpp), measured faster than torch's",
+             "any number of" if limit == float("inf") else f"{limit:g}")
+    return limit
+
+
+def _bf16_operands(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """bf16 on the CPU, weight rows of adjacent values (a slice of a wider weight's inputs is fine, no copy per
+    call), nothing to differentiate."""
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and weight.dim() == 2 and weight.stride(1) == 1
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
+def bf16_rows_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x @ weight^T should run `bf16_rows_mm`: operands it takes, no more rows than `bf16_rows_limit()`."""
+    return _bf16_operands(x, weight) and x.numel() // max(x.shape[-1], 1) <= bf16_rows_limit()
+
+
+def bf16_rows_invariant(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the batch-invariant mode should run `bf16_rows_mm` for this product: where it is faster than
+    torch's at every row count measured (then every call of the mode takes it, whatever its rows: a row's bits
+    never depend on which kernel its call's size picked), for operands it takes. Its rows are independent of
+    each other and of the thread count by construction, so no padding or chunking is needed
+    (determinism/batch_invariant.py)."""
+    return _bf16_operands(x, weight) and bf16_rows_limit() == float("inf")
+
+
+def bf16_rows_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 x [..., K] @ weight [N, K]^T (+ bias), float32 sums rounded to bf16 once; each row's result does not
+    depend on the other rows of the call. Needs the compiled kernels on an AVX2 + FMA CPU."""
+    flat = x.reshape(-1, x.shape[-1])
+    return torch.ops.turbospec.bf16_rows_mm(flat, weight, bias).reshape(*x.shape[:-1], weight.shape[0])

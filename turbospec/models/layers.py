@@ -18,11 +18,17 @@ from .packed import PackedWeight, packed_linear
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                invariant: bool = False) -> torch.Tensor:
     """F.linear in the activations' dtype (weights are cast up when they are stored narrower, as LayerCast
-    does), rows computed independently of each other when `invariant` (the batch-invariant mode)."""
+    does), rows computed independently of each other when `invariant` (the batch-invariant mode). bf16 calls of
+    up to the measured rows run our kernel where torch's bf16 matmul is slow (CPUs without bf16 arithmetic:
+    kernels.bf16_rows_limit)."""
     if weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
         bias = None if bias is None else bias.to(x.dtype)
-    return invariant_linear(x, weight, bias) if invariant else F.linear(x, weight, bias)
+    if invariant:
+        return invariant_linear(x, weight, bias)
+    if kernels.bf16_rows_fits(x, weight):
+        return kernels.bf16_rows_mm(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class RowLinear(nn.Linear):

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..models.layers import row_linear
 from ..models.llama import CausalLM
@@ -111,7 +110,7 @@ class VocabHead:
             return self.packed.mm(x.reshape(-1, x.shape[-1])).float().reshape(*x.shape[:-1], -1)
         if self._dense is None:  # made on first use: a packed head keeps no dense copy until one is needed
             self._dense = self.weight[self.ids].detach()
-        return F.linear(x.to(self._dense.dtype), self._dense).float()
+        return row_linear(x.to(self._dense.dtype), self._dense).float()
 
 
 @dataclass

@@ -1,0 +1,112 @@
+"""Our bf16 matmul (kernels/bf16_rows.cpp): float32 sums of bf16 products rounded once, against an exact
+reference; each row's bits independent of the other rows of the call and of the thread count; used by
+row_linear only where it may be (bf16, no gradients, not the batch-invariant path, within the measured rows)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from turbospec import kernels
+from turbospec.models import layers
+
+pytestmark = pytest.mark.skipif(kernels.load() is None or not torch.ops.turbospec.bf16_rows_available(),
+                                reason="compiled kernels unavailable or no AVX2 + FMA")
+
+
+def _operands(rows: int, out_features: int, in_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    w = (torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16()
+    return x, w
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 13, 25, 30])  # every tile shape, chunks of 24 crossed
+@pytest.mark.parametrize("shape", [(37, 40), (64, 576), (18, 1552)])  # outputs not in 4s, inputs not in 16s
+def test_products_are_the_exact_sums_rounded_once(rows, shape):
+    x, w = _operands(rows, *shape, seed=rows)
+    bias = torch.randn(shape[0]).bfloat16()
+    got = kernels.bf16_rows_mm(x, w, bias)
+    exact = x.double() @ w.double().t() + bias.double()
+    # float32 sums in another order than the exact one: off by at most K float32 roundings of the terms'
+    # magnitude, then one bf16 rounding of the result
+    slack = shape[1] * 2.0 ** -23 * (x.double().abs() @ w.double().abs().t() + bias.double().abs())
+    bound = torch.finfo(torch.bfloat16).eps * exact.abs() + slack
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, shape[0])
+    assert ((got.double() - exact).abs() <= bound).all()
+    # and it is torch's product up to those roundings (a swapped weight half or a lost tail would not be)
+    assert torch.allclose(got.float(), F.linear(x, w, bias).float(), rtol=0.02, atol=1e-2)
+
+
+def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_threads():
+    x, w = _operands(30, 100, 1552, seed=7)
+    alone = torch.cat([kernels.bf16_rows_mm(x[i:i + 1], w) for i in range(30)])
+    threads = torch.get_num_threads()
+    try:
+        for count in {1, max(threads, 2)}:
+            torch.set_num_threads(count)
+            for rows in (2, 5, 9, 24, 30):
+                assert torch.equal(kernels.bf16_rows_mm(x[:rows], w), alone[:rows])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_leading_dimensions_are_flattened_and_restored():
+    x, w = _operands(12, 40, 64, seed=1)
+    got = kernels.bf16_rows_mm(x.view(3, 4, 64), w)
+    assert got.shape == (3, 4, 40) and torch.equal(got.view(12, 40), kernels.bf16_rows_mm(x, w))
+
+
+def test_row_linear_runs_it_only_where_it_may(monkeypatch):
+    x, w = _operands(5, 48, 64, seed=3)
+    monkeypatch.setattr(kernels, "_bf16_limits", {torch.get_num_threads(): float("inf")})
+    assert torch.equal(layers.row_linear(x, w), kernels.bf16_rows_mm(x, w))
+    # float32, a gradient to take and the batch-invariant path stay with torch
+    assert torch.equal(layers.row_linear(x.float(), w.float()), F.linear(x.float(), w.float()))
+    trained = w.clone().requires_grad_(True)
+    layers.row_linear(x, trained).float().sum().backward()
+    assert trained.grad is not None
+    assert torch.allclose(trained.grad.float(), x.float().sum(0, keepdim=True).expand_as(w), rtol=0.01, atol=0.02)
+    # a slice of the weight's inputs (a tensor-parallel group) is read in place: the same bits as a copy of it
+    assert kernels.bf16_rows_fits(x[:, :32], w[:, :32])
+    assert torch.equal(layers.row_linear(x[:, :32], w[:, :32]), kernels.bf16_rows_mm(x[:, :32], w[:, :32].clone()))
+    assert not kernels.bf16_rows_fits(x, w.t().contiguous().t())  # inputs strided: torch takes it
+    # above the measured rows, torch's product
+    monkeypatch.setattr(kernels, "_bf16_limits", {torch.get_num_threads(): 4.0})
+    assert torch.equal(layers.row_linear(x, w), F.linear(x, w))
+    assert torch.equal(layers.row_linear(x[:4], w), kernels.bf16_rows_mm(x[:4], w))
+
+
+def test_switched_off_it_is_never_used(monkeypatch, tmp_path):
+    monkeypatch.setenv("TURBOSPEC_NO_BF16_ROWS", "1")
+    monkeypatch.setattr(kernels, "_bf16_limits", {})
+    assert kernels.bf16_rows_limit() == 0
+    x, w = _operands(3, 16, 32, seed=2)
+    assert torch.equal(layers.row_linear(x, w), F.linear(x, w))
+
+
+def test_the_measured_limit_is_cached_per_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("TURBOSPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(kernels, "_bf16_limits", {})
+    monkeypatch.setattr(kernels, "BF16_PROBE_SHAPES", ((64, 128),))
+    monkeypatch.setattr(kernels, "BF16_PROBE_ROWS", (1, 2, 4))
+    limit = kernels.bf16_rows_limit()
+    files = list((tmp_path / "kernels").glob("bf16-rows-*.json"))
+    assert len(files) == 1 and limit in (0, 1, 2, 4, float("inf"))
+    monkeypatch.setattr(kernels, "_bf16_limits", {})
+    monkeypatch.setattr("turbospec.models.crossover.best_ms", lambda *a, **k: pytest.fail("measured again"))
+    assert kernels.bf16_rows_limit() == limit  # a new process reads the file and measures nothing
+
+
+def test_the_batch_invariant_mode_takes_it_only_where_it_wins_at_every_size(monkeypatch):
+    from turbospec.determinism.batch_invariant import invariant_linear
+
+    x, w = _operands(7, 48, 64, seed=4)
+    monkeypatch.setattr(kernels, "_bf16_limits", {torch.get_num_threads(): float("inf")})
+    assert torch.equal(invariant_linear(x, w), kernels.bf16_rows_mm(x, w))
+    assert torch.equal(layers.row_linear(x, w, invariant=True), kernels.bf16_rows_mm(x, w))
+    # a finite limit: the invariant mode keeps torch's kernels (padded and chunked), for calls of any size
+    monkeypatch.setattr(kernels, "_bf16_limits", {torch.get_num_threads(): 64.0})
+    monkeypatch.setattr(kernels, "bf16_rows_mm", lambda *a: pytest.fail("the invariant mode took our kernel"))
+    assert invariant_linear(x, w).shape == (7, 48)
