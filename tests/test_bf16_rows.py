@@ -110,3 +110,10 @@ def test_the_batch_invariant_mode_takes_it_only_where_it_wins_at_every_size(monk
     monkeypatch.setattr(kernels, "_bf16_limits", {torch.get_num_threads(): 64.0})
     monkeypatch.setattr(kernels, "bf16_rows_mm", lambda *a: pytest.fail("the invariant mode took our kernel"))
     assert invariant_linear(x, w).shape == (7, 48)
+
+
+def test_where_it_cannot_run_no_call_reaches_it(monkeypatch):
+    monkeypatch.setattr(kernels, "_bf16_limits", {torch.get_num_threads(): 0.0})
+    x, w = _operands(3, 16, 32, seed=5)
+    assert not kernels.bf16_rows_fits(x[:0], w) and not kernels.bf16_rows_fits(x, w)
+    assert layers.row_linear(x[:0], w).shape == (0, 16)

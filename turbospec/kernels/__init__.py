@@ -201,7 +201,10 @@ def _bf16_operands(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def bf16_rows_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x @ weight^T should run `bf16_rows_mm`: operands it takes, no more rows than `bf16_rows_limit()`."""
-    return _bf16_operands(x, weight) and x.numel() // max(x.shape[-1], 1) <= bf16_rows_limit()
+    if not _bf16_operands(x, weight):
+        return False
+    limit = bf16_rows_limit()  # 0: unavailable here (even an empty call must not reach the missing operator)
+    return limit > 0 and x.numel() // max(x.shape[-1], 1) <= limit
 
 
 def bf16_rows_invariant(x: torch.Tensor, weight: torch.Tensor) -> bool:
