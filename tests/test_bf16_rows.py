@@ -58,24 +58,45 @@ def test_leading_dimensions_are_flattened_and_restored():
     assert got.shape == (3, 4, 40) and torch.equal(got.view(12, 40), kernels.bf16_rows_mm(x, w))
 
 
-def test_row_linear_runs_it_only_where_it_may(monkeypatch):
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts the calls that reach our operator (its bits often equal torch's, so equality alone cannot tell)."""
+    calls = []
+    real = kernels.bf16_rows_mm
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(kernels, "bf16_rows_mm", counted)
+    return calls
+
+
+def test_row_linear_runs_it_only_where_it_may(monkeypatch, kernel_calls):
     x, w = _operands(5, 48, 64, seed=3)
     monkeypatch.setattr(kernels, "_bf16_limits", {torch.get_num_threads(): float("inf")})
-    assert torch.equal(layers.row_linear(x, w), kernels.bf16_rows_mm(x, w))
-    # float32, a gradient to take and the batch-invariant path stay with torch
-    assert torch.equal(layers.row_linear(x.float(), w.float()), F.linear(x.float(), w.float()))
+    layers.row_linear(x, w)
+    assert len(kernel_calls) == 1
+    # float32, a gradient to take (weight or bias), an empty input row and strided inputs stay with torch
+    layers.row_linear(x.float(), w.float())
     trained = w.clone().requires_grad_(True)
     layers.row_linear(x, trained).float().sum().backward()
     assert trained.grad is not None
     assert torch.allclose(trained.grad.float(), x.float().sum(0, keepdim=True).expand_as(w), rtol=0.01, atol=0.02)
+    layers.row_linear(x, w, torch.zeros(48, dtype=torch.bfloat16, requires_grad=True))
+    assert layers.row_linear(x[:, :0], w[:, :0]).shape == (5, 48)
+    layers.row_linear(x, w.t().contiguous().t())
+    assert len(kernel_calls) == 1
     # a slice of the weight's inputs (a tensor-parallel group) is read in place: the same bits as a copy of it
-    assert kernels.bf16_rows_fits(x[:, :32], w[:, :32])
-    assert torch.equal(layers.row_linear(x[:, :32], w[:, :32]), kernels.bf16_rows_mm(x[:, :32], w[:, :32].clone()))
-    assert not kernels.bf16_rows_fits(x, w.t().contiguous().t())  # inputs strided: torch takes it
+    sliced = layers.row_linear(x[:, :32], w[:, :32])
+    assert len(kernel_calls) == 2 and torch.equal(sliced, kernels.bf16_rows_mm(x[:, :32], w[:, :32].clone()))
     # above the measured rows, torch's product
     monkeypatch.setattr(kernels, "_bf16_limits", {torch.get_num_threads(): 4.0})
-    assert torch.equal(layers.row_linear(x, w), F.linear(x, w))
-    assert torch.equal(layers.row_linear(x[:4], w), kernels.bf16_rows_mm(x[:4], w))
+    kernel_calls.clear()
+    layers.row_linear(x, w)
+    assert not kernel_calls
+    layers.row_linear(x[:4], w)
+    assert len(kernel_calls) == 1
 
 
 def test_switched_off_it_is_never_used(monkeypatch, tmp_path):
@@ -99,17 +120,24 @@ def test_the_measured_limit_is_cached_per_machine(monkeypatch, tmp_path):
     assert kernels.bf16_rows_limit() == limit  # a new process reads the file and measures nothing
 
 
-def test_the_batch_invariant_mode_takes_it_only_where_it_wins_at_every_size(monkeypatch):
+def test_the_batch_invariant_mode_takes_it_by_the_cpu_not_by_a_timing(monkeypatch, kernel_calls):
+    """Every call of the mode on AVX2 CPUs, whatever the measured limit (a timing, per thread count: tensor-parallel
+    ranks must choose alike); nowhere else."""
     from turbospec.determinism.batch_invariant import invariant_linear
 
     x, w = _operands(7, 48, 64, seed=4)
+    monkeypatch.setattr(kernels, "_invariant_cpu", True)
+    monkeypatch.setattr(kernels, "_bf16_limits", {torch.get_num_threads(): 2.0})
+    got = invariant_linear(x, w)
+    assert len(kernel_calls) == 1 and torch.equal(got, kernels.bf16_rows_mm(x, w))
+    assert torch.equal(layers.row_linear(x, w, invariant=True), got)
+    monkeypatch.setattr(kernels, "_invariant_cpu", False)
     monkeypatch.setattr(kernels, "_bf16_limits", {torch.get_num_threads(): float("inf")})
-    assert torch.equal(invariant_linear(x, w), kernels.bf16_rows_mm(x, w))
-    assert torch.equal(layers.row_linear(x, w, invariant=True), kernels.bf16_rows_mm(x, w))
-    # a finite limit: the invariant mode keeps torch's kernels (padded and chunked), for calls of any size
-    monkeypatch.setattr(kernels, "_bf16_limits", {torch.get_num_threads(): 64.0})
-    monkeypatch.setattr(kernels, "bf16_rows_mm", lambda *a: pytest.fail("the invariant mode took our kernel"))
-    assert invariant_linear(x, w).shape == (7, 48)
+    kernel_calls.clear()
+    assert invariant_linear(x, w).shape == (7, 48) and not kernel_calls
+    # the choice follows the CPU: this one's best vector unit
+    monkeypatch.setattr(kernels, "_invariant_cpu", None)
+    assert kernels._invariant_choice() == (torch.backends.cpu.get_cpu_capability() == "AVX2")
 
 
 def test_where_it_cannot_run_no_call_reaches_it(monkeypatch):

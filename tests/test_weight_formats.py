@@ -274,8 +274,12 @@ def test_formats_on_smollm2_give_plain_decodings_greedy_output():
         del llm
     assert outputs["auto"] == outputs["bf16"] and outputs["int4"] == outputs["bf16"]
     assert reports["bf16"].packed_linears == 0
-    assert reports["int4"].packed_linears == 30 * 4 + 1  # every layer's 4 linears and the (tied) LM head
-    assert reports["int4"].part_kinds["int8"] == 1  # the Q8_0 embedding as LM head
+    # every layer's 4 linears and the (tied) LM head, the Q8_0 embedding in int8, unless the load timed our int8
+    # kernel slower than the dense head at every row count: on AVX2 CPUs (its portable loop) that is close at one
+    # row in float32 and went either way between loads on one machine (2026-12-02: 8.6 vs 9.5 ms, then 17.4 vs 11.2)
+    head_packed = "lm_head.weight" not in reports["int4"].kept_dense
+    assert reports["int4"].packed_linears == 30 * 4 + head_packed
+    assert reports["int4"].part_kinds["int8"] == int(head_packed)
     assert reports["int4"].dense_bytes < reports["auto"].dense_bytes / 2  # no dense copies of the layers
 
 

@@ -22,9 +22,10 @@ M = 1 takes another kernel for some shapes (large K). On a Xeon with AMX the ker
 chunk (256 down to 16 rows) that make a shape invariant, and ``invariant_linear`` pads and splits to those.
 The needle tests check the whole engine either way.
 
-Where our bf16 kernel (kernels/bf16_rows.cpp) beats torch's at every row count (CPUs without bf16 arithmetic),
-bf16 linears run it instead: it sums each row in one fixed order whatever the call, so it needs neither padding nor
-chunks, and the invariant mode costs nothing over the default one there.
+On CPUs whose best vector unit is AVX2 (no bf16 arithmetic; `kernels.bf16_rows_invariant`), bf16 linears run
+our bf16 kernel (kernels/bf16_rows.cpp) instead: it sums each row in one fixed order whatever the call, so the
+linears need neither padding nor chunks there and cost what they cost in the default mode (the mode's remaining
+overhead there is attention's: benchmarks/results/determinism_overhead_avx2_ours.md).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def _agrees(weight: torch.Tensor, bias: torch.Tensor | None, inputs: list[torch.
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear whose rows do not depend on how many other rows the call has: rows padded to the multiple that
     the weight's shape probed at (often 1 or 2, at most 16), in calls of at most the probed chunk of rows."""
-    if kernels.bf16_rows_invariant(x, weight):  # AVX2 CPUs: our bf16 kernel, row-independent as it is
+    if kernels.bf16_rows_invariant(x, weight, bias):  # AVX2 CPUs: our bf16 kernel, row-independent as it is
         return kernels.bf16_rows_mm(x, weight, bias)
     if x.dim() != 2:
         return invariant_linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])

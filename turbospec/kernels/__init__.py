@@ -191,29 +191,44 @@ def _measure_bf16_limit(threads: int) -> float:
     return limit
 
 
-def _bf16_operands(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """bf16 on the CPU, weight rows of adjacent values (a slice of a wider weight's inputs is fine, no copy per
-    call), nothing to differentiate."""
+def _bf16_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """bf16 on the CPU, at least one input, weight rows of adjacent values (a slice of a wider weight's inputs is
+    fine, no copy per call), nothing to differentiate (the operator has no backward)."""
+    grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                         or (bias is not None and bias.requires_grad))
     return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and weight.dim() == 2 and weight.stride(1) == 1
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+            and x.shape[-1] > 0 and weight.dim() == 2 and weight.stride(1) == 1 and not grads)
 
 
-def bf16_rows_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def bf16_rows_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether x @ weight^T should run `bf16_rows_mm`: operands it takes, no more rows than `bf16_rows_limit()`."""
-    if not _bf16_operands(x, weight):
+    if not _bf16_operands(x, weight, bias):
         return False
     limit = bf16_rows_limit()  # 0: unavailable here (even an empty call must not reach the missing operator)
     return limit > 0 and x.numel() // max(x.shape[-1], 1) <= limit
 
 
-def bf16_rows_invariant(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the batch-invariant mode should run `bf16_rows_mm` for this product: where it is faster than
-    torch's at every row count measured (then every call of the mode takes it, whatever its rows: a row's bits
-    never depend on which kernel its call's size picked), for operands it takes. Its rows are independent of
-    each other and of the thread count by construction, so no padding or chunking is needed
+def bf16_rows_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether the batch-invariant mode runs `bf16_rows_mm` for this product: on CPUs whose best vector unit is
+    AVX2 (no AVX-512, so no bf16 arithmetic for torch either: on one such EPYC ours measured 5.2-8.4x torch's from
+    9 rows up), for operands it takes. The choice is the CPU's, not a timing's: a timing is per thread count,
+    and tensor-parallel ranks (fewer threads each) must choose what a single process chooses, or invariant bits
+    would differ between tensor-parallel sizes. Every call of the mode then takes it whatever its rows; its rows
+    are independent of each other and of the thread count by construction, so no padding or chunking is needed
     (determinism/batch_invariant.py)."""
-    return _bf16_operands(x, weight) and bf16_rows_limit() == float("inf")
+    return _bf16_operands(x, weight, bias) and _invariant_choice()
+
+
+def _invariant_choice() -> bool:
+    global _invariant_cpu
+    if _invariant_cpu is None:
+        _invariant_cpu = (os.environ.get("TURBOSPEC_NO_BF16_ROWS") != "1" and load() is not None
+                          and torch.backends.cpu.get_cpu_capability() == "AVX2"
+                          and bool(torch.ops.turbospec.bf16_rows_available()))
+    return _invariant_cpu
+
+
+_invariant_cpu: bool | None = None
 
 
 def bf16_rows_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,7 +12,7 @@ simd = "AVX-512" if "-mavx512f" in _flags() else "portable"
 amx = "; AMX kernels in use" if amx_available() else f"; no AMX here: torch's int4 and our {simd} int8 kernel in use"
 fallback = f"pure-torch fallback in use ({failure()})"
 print("turbospec kernels: " + ("grouped int8 kernel built" + amx if built else fallback))
-if built:  # measured here once, so the first model load does not pay for it
+if built:  # measured here once for the default thread count (others measure on first use, about a second)
     limit = bf16_rows_limit()
     rows = "every row count" if limit == float("inf") else f"up to {limit:g} rows" if limit else "no row count"
     print(f"turbospec kernels: our bf16 matmul (bf16_rows.cpp) runs bf16 linears for {rows} (measured against torch's)")

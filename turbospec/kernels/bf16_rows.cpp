@@ -2,18 +2,19 @@
 // once, as torch's own bf16 matmul does.
 //
 // Why our own: on CPUs without bf16 arithmetic (AVX2, AVX-512 without AVX512_BF16) torch's bf16 matmul costs
-// about one single-row product per row (8960x1536 on an AVX2 EPYC, 2026-12-02: 1.9 ms at 1 row, 15.6 ms at 9,
-// 27.7 at 16), so verifying a draft of 8 tokens cost 8 decode steps and speculation could not win there. Here
-// each weight row is read once per chunk of activation rows and widened to float32 in registers (a bf16 value is
-// the top half of a float32), then multiplied into up to 3 rows at once: few-row calls stay bound by reading the
-// weights, like a one-row call.
+// about one single-row product per row (1536x8960 on an AVX2 EPYC, 2026-12-02: 1.78 ms at 1 row, 14.9 at 9, 420 at
+// 256; benchmarks/results/bf16_rows.md), so verifying a draft of 8 tokens cost 8 decode steps and speculation could
+// not win there. Here each weight row is read once per chunk of activation rows and widened to float32 in
+// registers (a bf16 value is the top half of a float32), then multiplied into up to 6 rows at once: few-row calls
+// stay bound by reading the weights, like a one-row call, and many-row calls run near the CPU's FMA peak.
 //
 // Each output is summed in the same order whatever M is, how the rows are tiled or how threads split the
-// outputs (8 lanes over K in steps of 8, lanes added in a fixed order, then the tail): a row's result does not
-// depend on the other rows of the call.
+// outputs (8 lanes, each over its inputs of every 16-input block in turn: even input, then odd; lanes added in a
+// fixed order; then the inputs past the last full block): a row's result does not depend on the other rows of the
+// call or on the thread count.
 //
 // Compiled for AVX2 + FMA through function attributes, whatever the build's flags; `bf16_rows_available()` says
-// whether this CPU can run it (the Python side measures where it beats torch: kernels/__init__.py).
+// whether this CPU can run it (the Python side decides where it runs: kernels/__init__.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

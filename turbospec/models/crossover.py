@@ -125,7 +125,7 @@ def cache_path(dtype: torch.dtype) -> Path:
     kernel = kernels.build_id()  # the int8 fallback, or another version of the kernel, has other timings
     # "best": timings are the fastest of several calls (best_ms); files of medians are measured again.
     # The dense side is our bf16 kernel up to its measured rows, or torch's (TURBOSPEC_NO_BF16_ROWS=1): its own key.
-    dense = kernels.bf16_rows_limit() if dtype == torch.bfloat16 else 0
-    key = f"{hardware_name('cpu')}|{torch.get_num_threads()}|{torch.__version__}|{dtype}|{kernel}|best|{dense}"
+    dense = f"|{kernels.bf16_rows_limit()}" if dtype == torch.bfloat16 else ""  # (other dtypes: keys as before)
+    key = f"{hardware_name('cpu')}|{torch.get_num_threads()}|{torch.__version__}|{dtype}|{kernel}|best{dense}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return turbospec_home() / "kernels" / f"crossover-{str(dtype).removeprefix('torch.')}-{digest}.json"

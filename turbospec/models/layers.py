@@ -20,13 +20,13 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """F.linear in the activations' dtype (weights are cast up when they are stored narrower, as LayerCast
     does), rows computed independently of each other when `invariant` (the batch-invariant mode). bf16 calls of
     up to the measured rows run our kernel where torch's bf16 matmul is slow (CPUs without bf16 arithmetic:
-    kernels.bf16_rows_limit)."""
+    kernels.bf16_rows_limit; the batch-invariant mode's choice is kernels.bf16_rows_invariant)."""
     if weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
         bias = None if bias is None else bias.to(x.dtype)
     if invariant:
         return invariant_linear(x, weight, bias)
-    if kernels.bf16_rows_fits(x, weight):
+    if kernels.bf16_rows_fits(x, weight, bias):
         return kernels.bf16_rows_mm(x, weight, bias)
     return F.linear(x, weight, bias)
 
