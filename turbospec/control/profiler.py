@@ -94,10 +94,11 @@ def profile_key(engine: LLMEngine) -> dict[str, str]:
     if weights is not None and weights.packed_linears:  # packed kernels: other step times, and a kink at the
         # rows where each linear switches to dense (absent for dense models: old caches stay valid)
         key["weights"] = weights.format + ":" + ",".join(f"{s}={r}" for s, r in sorted(weights.crossover.items()))
-        key["kernels"] = kernels.build_id()  # our int8 kernel's version (or its fallback) sets step times too
-    if engine.config.dtype in ("bfloat16", "bf16") and kernels.bf16_rows_limit() > 0:
-        key["kernels"] = kernels.build_id()  # dense bf16 linears run our kernel here, up to these rows
-        key["bf16_rows"] = str(kernels.bf16_rows_limit())
+    bf16_rows = kernels.bf16_rows_limit() if engine.config.dtype in ("bfloat16", "bf16") else 0
+    if bf16_rows:  # dense bf16 linears run our kernel here, up to these rows
+        key["bf16_rows"] = str(bf16_rows)
+    if bf16_rows or (weights is not None and weights.packed_linears):
+        key["kernels"] = kernels.build_id()  # our kernels' version (or the int8 fallback) sets step times too
     if engine.config.tensor_parallel_size > 1:  # other processes, collectives in every layer
         key["tensor_parallel"] = str(engine.config.tensor_parallel_size)
     if engine.config.deterministic:  # other kernels, other step times (absent otherwise: old caches stay valid)

@@ -174,14 +174,14 @@ def _measure_bf16_limit(threads: int) -> float:
     limit, timings = float("inf"), {}
     for out_features, in_features in BF16_PROBE_SHAPES:
         w = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
-        for rows in BF16_PROBE_ROWS:
+        for i, rows in enumerate(BF16_PROBE_ROWS):
             if rows > limit:
                 break
             x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
             ours, theirs = best_ms((lambda: bf16_rows_mm(x, w), lambda: torch.nn.functional.linear(x, w)), 5)
             timings[f"{out_features}x{in_features}:{rows}"] = [ours, theirs]
             if ours >= theirs:
-                limit = rows - 1 if rows == 1 else BF16_PROBE_ROWS[BF16_PROBE_ROWS.index(rows) - 1]
+                limit = BF16_PROBE_ROWS[i - 1] if i else 0  # the last count it won at, on every shape so far
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.partial")
     tmp.write_text(json.dumps({"key": key, "limit": limit, "ms": timings}, indent=1))  # json writes inf as Infinity
