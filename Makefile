@@ -24,11 +24,17 @@ $(STAMP): pyproject.toml
 run: setup
 	$(BIN)/turbospec serve --model smollm2-135m --speculative-config '{"method": "ngram"}'
 
+# two pytest workers, a test file each at a time, the longest files first (tests/conftest.py): most tests run
+# their engine on one thread, so one process left the second core idle (35 minutes on 2 AVX2 cores).
+# TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(PYTEST) tests
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 # benchmark extras (plots, ShareGPT); not needed by the tests
 bench-setup: setup

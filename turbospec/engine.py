@@ -116,7 +116,7 @@ class LLMEngine:
         if config.deterministic in REQUEST_DETERMINISTIC_MODES:  # they run the invariant path: probe it now
             from .determinism.batch_invariant import probe_model
 
-            log.info("batch-invariant linears (shape: row multiple, most rows per call): %s", probe_model(self.loaded.model))
+            log.info("batch-invariant linears (shape: row multiple, most rows per call, or our bf16 kernel): %s", probe_model(self.loaded.model))
         if self.spec_mode == "auto":
             self._ensure_controller(progress)
 

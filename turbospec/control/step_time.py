@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -358,7 +359,7 @@ class StepTimeModel:
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two processes at once: own files
         tmp.write_text(json.dumps(self.to_json()))
         tmp.replace(path)
 

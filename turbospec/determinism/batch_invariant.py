@@ -131,15 +131,18 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     return out.view(b, hq, nq, d).to(q.dtype)
 
 
-def probe_model(model: torch.nn.Module) -> dict[tuple[int, ...], tuple[int, int]]:
+def probe_model(model: torch.nn.Module) -> dict[tuple[int, ...], tuple[int, int] | str]:
     """Probe every linear weight of a model now (an engine that will run the invariant path calls this at
     start-up, so the first invariant step is not the one that pays for it). Returns shape -> (row multiple,
-    chunk rows)."""
-    result = {}
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            result[tuple(module.weight.shape)] = probe_linear(module.weight, module.bias)
+    chunk rows), or "bf16_rows" for weights the mode runs through our kernel: they need no probe (on an AVX2
+    CPU the probe of SmolLM2's five shapes took 80 s of a test's start-up, for answers nothing would read)."""
+    weights = [(m.weight, m.bias) for m in model.modules() if isinstance(m, torch.nn.Linear)]
     embed = getattr(model, "embed", None)
     if isinstance(embed, torch.nn.Embedding):  # tied LM head
-        result[tuple(embed.weight.shape)] = probe_linear(embed.weight)
+        weights.append((embed.weight, None))
+    result: dict[tuple[int, ...], tuple[int, int] | str] = {}
+    for weight, bias in weights:
+        one_row = weight.new_empty(1, weight.shape[1])
+        ours = kernels.bf16_rows_invariant(one_row, weight, bias)
+        result[tuple(weight.shape)] = "bf16_rows" if ours else probe_linear(weight, bias)
     return result

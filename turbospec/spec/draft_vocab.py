@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -72,7 +73,7 @@ def token_counts(tokenizer: Tokenizer, vocab_size: int) -> np.ndarray | None:
             [tokenizer.encode(a, add_special_tokens=False) for a in answers]
         counts = np.bincount(np.fromiter((t for ids in encoded for t in ids), dtype=np.int64))
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".partial.npy")
+        tmp = path.with_suffix(f".{os.getpid()}.partial.npy")  # two processes at once: own files
         np.save(tmp, counts)
         tmp.rename(path)
     out = np.zeros(vocab_size, dtype=np.int64)
