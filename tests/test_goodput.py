@@ -175,6 +175,27 @@ def test_positions_the_controller_stopped_drafting_forget_old_evidence():
     assert after[2:] == before[2:]
 
 
+def test_tree_ranks_the_controller_stopped_verifying_forget_old_evidence():
+    """NodeRank's censoring: rank j is only verified in trees of more than j nodes. Chat taught that ranks 3-7
+    fail; on code every 3-node tree is then accepted whole. The stale evidence past rank 2 must age (towards rank
+    2's rate, scaled by the prior's shape) although those ranks are never verified, or 3-node trees stay chosen
+    for good."""
+    est = NodeRank(prior=0.5)
+    cost = linear_cost(1.0, 0.1)(1)  # every verified node costs 10% of a target step
+    for i in range(100):  # chat: 8-node trees, ranks 0-2 accepted, 3-7 never
+        est.observe_nodes(f"chat{i % 10}", 8, [0, 1, 2])
+    assert est.profile(8)[3] < 0.1
+    for i in range(200):  # code: the controller verifies 3 nodes, always all accepted; ~4 memory lengths
+        est.observe_nodes(f"code{i // 20}", 3, [0, 1, 2])
+    assert est.profile(8)[3] > 0.3, est.profile(8)
+    assert choose_lengths([est.rates("code9", 8)], [8], cost).ks[0] >= 4
+    # ranks in a verified tree that the accepted path did not hold were tried: their evidence stays
+    before = [(c.success, c.failure) for c in est._ranks[:8]]
+    est.observe_nodes("code9", 8, [0])
+    after = [(c.success, c.failure) for c in est._ranks[:8]]
+    assert all(a[1] > b[1] for a, b in zip(after[1:], before[1:]))  # a failure each, not only aging
+
+
 # A draft head's candidate tree, by node rank: rank 0 (the best first token) is accepted with 0.7; rank 1 (its
 # sibling) with 0.3 of the rest; rank 2 is rank 0's child (accepted with 0.4 after it), rank 3 rank 1's child.
 TREE_TRUTH = [0.7, 0.3 * 0.3, 0.7 * 0.4, 0.09 * 0.5, 0.0, 0.0, 0.0, 0.0]

@@ -35,6 +35,10 @@ class _Counts:
     def rate(self, prior: float, strength: float) -> float:
         return (self.success + strength * prior) / (self.success + self.failure + strength)
 
+    def age_towards(self, rate: float, strength: float, decay: float) -> None:
+        """No new evidence: drift towards `strength` pseudo-observations at `rate`, at the pace evidence decays."""
+        self.add((1 - decay) * strength * rate, (1 - decay) * strength * (1 - rate), decay)
+
 
 class AcceptanceEstimator(ABC):
     name = "base"
@@ -196,20 +200,31 @@ class NodeRank(AcceptanceEstimator):
     is in the chain form the controller takes: rates r_j = p_j / p_(j-1), whose running products are p_j.
     Requests held to chains (deterministic modes, lossy acceptance) draft the single most probable path, whose
     positions are no ranks of a tree: they report through ``observe`` and are a PositionBeta's.
+
+    Censoring: rank j is only seen in trees of more than j nodes. A rank no tree has held for `stale_after`
+    verifications (the controller's choice, not the draft's failure) drifts with every further verification
+    towards its prior scaled by the global level: accepted nodes over what the priors predict for the counts
+    held. Otherwise a controller that chose small trees on chat's figures would never see that code accepts its
+    deeper nodes (the trap PositionBeta avoids the same way; tests/test_goodput.py). Ranks verified now and then
+    keep their evidence as it is: aging them too biased a mix of 2-, 4- and 8-node trees towards the prior.
     """
 
     name = "node-rank"
 
     def __init__(self, prior: float = 0.6, prior_strength: float = 4.0, request_decay: float = 0.8,
-                 global_decay: float = 0.98, max_nodes: int = 64) -> None:
+                 global_decay: float = 0.98, max_nodes: int = 64, stale_after: int = 10) -> None:
         if not 0.0 < prior < 1.0:
             raise ValueError(f"acceptance prior must be in (0, 1), got {prior}")
-        # prior p_j = prior / (j + 1): the best node is accepted often, later ones (siblings, deep nodes) rarely
-        self._ranks = [_Counts(prior / (j + 1) * prior_strength, (1 - prior / (j + 1)) * prior_strength)
+        self.prior = prior
+        self._ranks = [_Counts(self._prior_rate(j) * prior_strength, (1 - self._prior_rate(j)) * prior_strength)
                        for j in range(max_nodes)]
         self.prior_strength = prior_strength
         self.request_decay = request_decay
         self.global_decay = global_decay
+        # a rank left out of this many verifications in a row is stale: the controller has stopped verifying it
+        # (a rank left out now and then, among tree sizes the controller mixes, keeps its evidence unbiased)
+        self.stale_after = stale_after
+        self._unverified = [0] * max_nodes
         self._requests: dict[str, _Counts] = {}  # success: accepted depth, failure: depth the profile predicted
         self._chain = PositionBeta(prior=prior)
         self._chain_requests: set[str] = set()
@@ -229,6 +244,16 @@ class NodeRank(AcceptanceEstimator):
                 blocks[-1][0] += total
                 blocks[-1][1] += count
         return [total / count for total, count in blocks for _ in range(int(count))]
+
+    def _prior_rate(self, j: int) -> float:
+        """The best node is accepted often, later ones (siblings, deep nodes) rarely."""
+        return self.prior / (j + 1)
+
+    def global_level(self) -> float:
+        """Accepted nodes over what the ranks' priors predict for the counts held (1 before any evidence)."""
+        seen = sum(c.success for c in self._ranks)
+        expected = sum(self._prior_rate(j) * (c.success + c.failure) for j, c in enumerate(self._ranks))
+        return seen / expected
 
     def level(self, request_id: str) -> float:
         """The request's accepted depth over the profile's prediction for its trees (1 before any evidence)."""
@@ -260,6 +285,13 @@ class NodeRank(AcceptanceEstimator):
         for j in range(min(num_nodes, len(self._ranks))):
             hit = float(j in accepted)
             self._ranks[j].add(hit, 1.0 - hit, self.global_decay)
+        level = None
+        for j in range(len(self._ranks)):
+            self._unverified[j] = 0 if j < num_nodes else self._unverified[j] + 1
+            if self._unverified[j] > self.stale_after:
+                level = self.global_level() if level is None else level
+                self._ranks[j].age_towards(_clamp(level * self._prior_rate(j)), self.prior_strength,
+                                           self.global_decay)
 
     def free(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
