@@ -24,8 +24,9 @@ def _release_memory_after_module():
 # Scheduling hint for `make test`'s two workers (xdist, a file per worker at a time): the longest files start
 # first, so no long file is left to run alone at the end. Measured on 2 AVX2 cores (2026-12-02): these took
 # 2-9 minutes each, most other files under one minute. test_models_hf (13 GB at its peak: the 1.5B in float32,
-# ours and transformers') comes after the files that start with test_determinism (up to 7 GB), so the two
-# peaks do not meet; side by side they reached 19 of the machine's 24 GB. Order only: every test runs anyway.
+# ours and transformers') comes after the files that start alongside test_determinism (up to 7 GB), so its
+# 1.5B test usually runs after that file: started together they reached 19 of the machine's 24 GB.
+# Order only: every test runs anyway.
 LONGEST_FIRST = ("test_determinism.py", "test_controller.py", "test_spec.py", "test_heads.py", "test_models_hf.py")
 
 

@@ -177,23 +177,44 @@ def test_positions_the_controller_stopped_drafting_forget_old_evidence():
 
 def test_tree_ranks_the_controller_stopped_verifying_forget_old_evidence():
     """NodeRank's censoring: rank j is only verified in trees of more than j nodes. Chat taught that ranks 3-7
-    fail; on code every 3-node tree is then accepted whole. The stale evidence past rank 2 must age (towards rank
-    2's rate, scaled by the prior's shape) although those ranks are never verified, or 3-node trees stay chosen
-    for good."""
+    fail; on code every 3-node tree is then accepted whole. The stale evidence past rank 2 must age (towards the
+    ranks' prior scaled by the global level) although those ranks are never verified, or 3-node trees stay
+    chosen for good."""
     est = NodeRank(prior=0.5)
     cost = linear_cost(1.0, 0.1)(1)  # every verified node costs 10% of a target step
+
+    def step(request: str, nodes: int, ranks: list[int]) -> None:  # one request per engine step
+        est.observe_nodes(request, nodes, ranks)
+        est.end_step()
+
     for i in range(100):  # chat: 8-node trees, ranks 0-2 accepted, 3-7 never
-        est.observe_nodes(f"chat{i % 10}", 8, [0, 1, 2])
+        step(f"chat{i % 10}", 8, [0, 1, 2])
     assert est.profile(8)[3] < 0.1
+    chat = [(c.success, c.failure) for c in est._ranks[3:8]]
+    for i in range(est.stale_after):  # left out of 10 steps: not stale yet, the counts stay as they are
+        step("code0", 3, [0, 1, 2])
+    assert [(c.success, c.failure) for c in est._ranks[3:8]] == chat
+    step("code0", 3, [0, 1, 2])  # the 11th: stale, they age
+    assert all(c.success > s for c, (s, _) in zip(est._ranks[3:8], chat))
     for i in range(200):  # code: the controller verifies 3 nodes, always all accepted; ~4 memory lengths
-        est.observe_nodes(f"code{i // 20}", 3, [0, 1, 2])
+        step(f"code{i // 20}", 3, [0, 1, 2])
     assert est.profile(8)[3] > 0.3, est.profile(8)
     assert choose_lengths([est.rates("code9", 8)], [8], cost).ks[0] >= 4
-    # ranks in a verified tree that the accepted path did not hold were tried: their evidence stays
-    before = [(c.success, c.failure) for c in est._ranks[:8]]
-    est.observe_nodes("code9", 8, [0])
-    after = [(c.success, c.failure) for c in est._ranks[:8]]
-    assert all(a[1] > b[1] for a, b in zip(after[1:], before[1:]))  # a failure each, not only aging
+
+
+def test_tree_ranks_held_by_any_tree_of_a_step_are_not_stale():
+    """Staleness counts engine steps, not requests: in a batch of 16 where 2 requests verify 8-node trees and 14
+    verify 2-node trees, ranks 2-7 are verified every step and keep their evidence exactly as without aging."""
+    aging, never = NodeRank(prior=0.5), NodeRank(prior=0.5, stale_after=10**9)
+    rng = random.Random(7)
+    for _ in range(100):
+        outcomes = [(8 if r < 2 else 2, _tree_outcome(rng, 8 if r < 2 else 2)) for r in range(16)]
+        rng.shuffle(outcomes)
+        for est in (aging, never):
+            for r, (nodes, ranks) in enumerate(outcomes):
+                est.observe_nodes(f"r{r}", nodes, ranks)
+            est.end_step()
+    assert aging.profile(8) == never.profile(8)
 
 
 # A draft head's candidate tree, by node rank: rank 0 (the best first token) is accepted with 0.7; rank 1 (its

@@ -522,6 +522,8 @@ class LLMEngine:
                 self._observe_acceptance(req, num_drafts, accepted, result[0])
             req.spec_token_ids, req.spec_draft_probs, req.spec_draft_soft, req.spec_draft_entropy = [], None, None, []
             req.spec_tree = None
+        if self.controller is not None:
+            self.controller.end_step()
         return outputs
 
     def _observe_acceptance(self, req: Request, num_drafts: int, accepted: int,

@@ -63,6 +63,9 @@ class AcceptanceEstimator(ABC):
         order, TokenTree.ranks) formed the accepted path. A chain estimator sees its accepted depth."""
         self.observe(request_id, num_nodes, len(accepted_ranks))
 
+    def end_step(self) -> None:
+        """Every observation of one engine step has been made."""
+
 
 class GlobalEMA(AcceptanceEstimator):
     """The TurboSpec authors' fork: one number for every request and position, a <- 0.85 a + 0.15 m / k."""
@@ -202,11 +205,11 @@ class NodeRank(AcceptanceEstimator):
     positions are no ranks of a tree: they report through ``observe`` and are a PositionBeta's.
 
     Censoring: rank j is only seen in trees of more than j nodes. A rank no tree has held for `stale_after`
-    verifications (the controller's choice, not the draft's failure) drifts with every further verification
-    towards its prior scaled by the global level: accepted nodes over what the priors predict for the counts
-    held. Otherwise a controller that chose small trees on chat's figures would never see that code accepts its
-    deeper nodes (the trap PositionBeta avoids the same way; tests/test_goodput.py). Ranks verified now and then
-    keep their evidence as it is: aging them too biased a mix of 2-, 4- and 8-node trees towards the prior.
+    engine steps (the controller's choice, not the draft's failure) drifts with every further step towards its
+    prior scaled by the global level: accepted nodes over what the priors predict for the counts held.
+    Otherwise a controller that chose small trees on chat's figures would never see that code accepts its
+    deeper nodes (PositionBeta ages positions past the draft for the same trap; tests/test_goodput.py). Ranks
+    held now and then keep their evidence as it is: aging them too biased a mix of 2-, 4- and 8-node trees.
     """
 
     name = "node-rank"
@@ -224,7 +227,9 @@ class NodeRank(AcceptanceEstimator):
         # a rank left out of this many verifications in a row is stale: the controller has stopped verifying it
         # (a rank left out now and then, among tree sizes the controller mixes, keeps its evidence unbiased)
         self.stale_after = stale_after
-        self._unverified = [0] * max_nodes
+        self._unverified = [0] * max_nodes  # engine steps since a tree last held the rank
+        self._span = 0  # ranks any tree has held: only they have evidence that can go stale
+        self._step_nodes = -1  # the largest tree of the current step (-1: no tree request yet)
         self._requests: dict[str, _Counts] = {}  # success: accepted depth, failure: depth the profile predicted
         self._chain = PositionBeta(prior=prior)
         self._chain_requests: set[str] = set()
@@ -250,10 +255,12 @@ class NodeRank(AcceptanceEstimator):
         return self.prior / (j + 1)
 
     def global_level(self) -> float:
-        """Accepted nodes over what the ranks' priors predict for the counts held (1 before any evidence)."""
-        seen = sum(c.success for c in self._ranks)
-        expected = sum(self._prior_rate(j) * (c.success + c.failure) for j, c in enumerate(self._ranks))
-        return seen / expected
+        """Accepted nodes over what the priors predict for the counts of the ranks trees have held (1 before
+        any evidence)."""
+        held = self._ranks[:self._span]
+        seen = sum(c.success for c in held)
+        expected = sum(self._prior_rate(j) * (c.success + c.failure) for j, c in enumerate(held))
+        return seen / expected if expected > 0 else 1.0
 
     def level(self, request_id: str) -> float:
         """The request's accepted depth over the profile's prediction for its trees (1 before any evidence)."""
@@ -277,21 +284,31 @@ class NodeRank(AcceptanceEstimator):
         self._chain.observe(request_id, num_draft, num_accepted)
 
     def observe_nodes(self, request_id: str, num_nodes: int, accepted_ranks: list[int]) -> None:
+        self._step_nodes = max(self._step_nodes, num_nodes)  # a tree request's step, even one given no nodes
         if num_nodes <= 0:
             return
         predicted = sum(self.profile(num_nodes))
         self._requests.setdefault(request_id, _Counts()).add(len(accepted_ranks), predicted, self.request_decay)
         accepted = set(accepted_ranks)
+        self._span = max(self._span, min(num_nodes, len(self._ranks)))
         for j in range(min(num_nodes, len(self._ranks))):
             hit = float(j in accepted)
             self._ranks[j].add(hit, 1.0 - hit, self.global_decay)
+
+    def end_step(self) -> None:
+        """Staleness counts engine steps: in a batch, one request's small tree says nothing about the ranks
+        another request's larger tree held in the same step. A rank past every tree of `stale_after` steps in a
+        row drifts towards its prior at the global level (ranks never verified keep their prior as it is)."""
+        if self._step_nodes < 0:  # no tree request this step
+            return
         level = None
-        for j in range(len(self._ranks)):
-            self._unverified[j] = 0 if j < num_nodes else self._unverified[j] + 1
+        for j in range(self._span):
+            self._unverified[j] = 0 if j < self._step_nodes else self._unverified[j] + 1
             if self._unverified[j] > self.stale_after:
                 level = self.global_level() if level is None else level
                 self._ranks[j].age_towards(_clamp(level * self._prior_rate(j)), self.prior_strength,
                                            self.global_decay)
+        self._step_nodes = -1
 
     def free(self, request_id: str) -> None:
         self._requests.pop(request_id, None)

@@ -136,6 +136,9 @@ class GoodputController:
         self.estimator.observe_nodes(request_id, num_nodes, accepted_ranks)
         self.num_observations += 1
 
+    def end_step(self) -> None:
+        self.estimator.end_step()
+
     def free(self, request_id: str) -> None:
         self.estimator.free(request_id)
 

@@ -139,10 +139,14 @@ def _load_gguf_cached(gguf: Path, name: str, dtype: torch.dtype, device: str, pr
         net = build_empty(cfg, dtype, device)
         net.load_weights(tensors)
         cache.mkdir(parents=True, exist_ok=True)
-        tmp = weights_file.with_suffix(f".{os.getpid()}.partial")  # two loads at once: each its own file
+        # two loads at once (parallel test workers): each writes its own files and renames them into place,
+        # the config first, so a reader that finds the weights finds a whole config too
+        tmp = config_file.with_suffix(f".{os.getpid()}.partial")
+        tmp.write_text(json.dumps(dataclasses.asdict(cfg)))
+        tmp.rename(config_file)
+        tmp = weights_file.with_suffix(f".{os.getpid()}.partial")
         save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(tmp))
         tmp.rename(weights_file)
-        config_file.write_text(json.dumps(dataclasses.asdict(cfg)))
     tok = HFTokenizer.load(gguf.parent, gguf_file=gguf.name, cache_dir=cache / "tokenizer",
                            extra_eos=cfg.eos_token_ids)
     _check_vocab(tok, cfg, name)

@@ -3,6 +3,8 @@ tokenizer for dummy-weight models. Also incremental detokenisation for streaming
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,8 +41,13 @@ class HFTokenizer:
         if cache_dir is not None and (cache_dir / "tokenizer_config.json").exists():
             return cls(AutoTokenizer.from_pretrained(cache_dir), extra_eos)
         hf = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file) if gguf_file else AutoTokenizer.from_pretrained(source)
-        if cache_dir is not None:
-            hf.save_pretrained(cache_dir)
+        if cache_dir is not None:  # saved aside, then renamed: a process loading at once never reads half of it
+            partial = cache_dir.with_name(f"{cache_dir.name}.{os.getpid()}.partial")
+            hf.save_pretrained(partial)
+            try:
+                partial.rename(cache_dir)
+            except OSError:  # another process got there first: its copy is the same
+                shutil.rmtree(partial, ignore_errors=True)
         return cls(hf, extra_eos)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
