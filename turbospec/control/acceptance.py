@@ -224,8 +224,8 @@ class NodeRank(AcceptanceEstimator):
         self.prior_strength = prior_strength
         self.request_decay = request_decay
         self.global_decay = global_decay
-        # a rank left out of this many verifications in a row is stale: the controller has stopped verifying it
-        # (a rank left out now and then, among tree sizes the controller mixes, keeps its evidence unbiased)
+        # a rank no tree held for this many engine steps in a row is stale: the controller has stopped verifying
+        # it (a rank held now and then, among tree sizes the controller mixes, keeps its evidence unbiased)
         self.stale_after = stale_after
         self._unverified = [0] * max_nodes  # engine steps since a tree last held the rank
         self._span = 0  # ranks any tree has held: only they have evidence that can go stale
