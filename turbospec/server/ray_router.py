@@ -83,18 +83,29 @@ class TokenAwareRouter(RequestRouter):
         return now + max(0, int(stats["outstanding_tokens"]) - then)
 
     def _track(self, pending_request: PendingRequest, replica_id: ReplicaID) -> None:
+        """A routing attempt's guess: a new attempt starts pending; another guess for a pending one keeps its
+        sent time (Ray Serve may ask again after a full queue)."""
         key = pending_request.metadata.internal_request_id
         previous = self._sent.get(key)
         self._sent[key] = _Sent(replica_id, _hint(pending_request).cost,
                                 previous.sent if previous is not None and previous.done is None else time.time())
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        self._track(pending_request, replica_id)  # where it went (choose_replicas guessed its first rank)
+        """Where it went (choose_replicas guessed its first rank). Ray Serve calls this after awaiting the
+        replica's acceptance, and a fast answer (a 400) may have completed by then: it stays completed, or its
+        cost would count against that replica for good."""
+        sent = self._sent.get(pending_request.metadata.internal_request_id)
+        if sent is None:
+            self._track(pending_request, replica_id)
+        else:
+            sent.replica = replica_id
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         now = time.time()
         sent = self._sent.get(internal_request_id)
-        if sent is not None:
+        if sent is None:  # completed before it was ever tracked: remembered, so a late on_request_routed sees it
+            self._sent[internal_request_id] = _Sent(replica_id, 0, now, done=now)
+        else:
             sent.done = now
         # completed requests are kept while a replica report may still count them
         self._sent = {k: s for k, s in self._sent.items() if s.done is None or now - s.done < KEEP_DONE_S}
