@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType, quants
 from turbospec import LLM, SamplingParams, kernels
 from turbospec.config import EngineConfig
 from turbospec.models import gguf_blocks
-from turbospec.models.crossover import GEMM_ROWS, crossover_rows, gemm_crossover
+from turbospec.models.crossover import GEMM_ROWS, CrossoverCache, crossover_rows, gemm_crossover
 from turbospec.models.layers import RowLinear
 from turbospec.models.loader import load_model
 from turbospec.models.packed import PackedWeight, pack
@@ -203,6 +203,19 @@ def test_prefill_sizes_run_packed_only_where_packed_won_at_all_of_them():
     packed = PackedWeight([], max_rows=12, gemm_rows=64)
     assert [r for r in (1, 12, 13, 63, 64, 500) if packed.runs_packed(r)] == [1, 12, 64, 500]
     assert not PackedWeight([], max_rows=12).runs_packed(500)
+
+
+def test_two_processes_saving_crossovers_keep_each_others_entries(tmp_path):
+    """Each process reads the file when it loads a model and measures its own signatures; the later save must
+    not drop what the other measured meanwhile (two pytest workers, two replicas)."""
+    path = tmp_path / "crossover.json"
+    first, second = CrossoverCache(path), CrossoverCache(path)  # both opened before either saved
+    for cache, signature in ((first, "a"), (second, "b")):
+        cache.data[signature] = {"rows": 4, "gemm_rows": 0, "ms": {}}
+        cache.dirty = True
+    first.save()
+    second.save()
+    assert set(CrossoverCache(path).data) == {"a", "b"}
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "Q5_0"])

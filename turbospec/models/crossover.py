@@ -11,6 +11,7 @@ Measured once per (signature, dtype, threads, hardware, torch); a 1.5B model's s
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
@@ -107,12 +108,22 @@ class CrossoverCache:
         return Crossover(int(entry["rows"]), int(entry["gemm_rows"]))
 
     def save(self) -> None:
-        if self.dirty:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".{os.getpid()}.partial")  # two loads at once: own files
+        if not self.dirty:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # two processes loading models at once (pytest workers, replicas) each add their own signatures: under
+        # a lock, merge with what the file holds now, or the later writer drops the other's measurements
+        with open(self.path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                on_disk = json.loads(self.path.read_text())
+            except (OSError, ValueError):
+                on_disk = {}
+            self.data = {**on_disk, **self.data}
+            tmp = self.path.with_suffix(f".{os.getpid()}.partial")
             tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
             tmp.rename(self.path)
-            self.dirty = False
+        self.dirty = False
 
 
 def cache_path(dtype: torch.dtype) -> Path:
