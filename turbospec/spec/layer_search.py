@@ -21,6 +21,7 @@ ranks sets, and the benchmark measures the real rate.
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -41,6 +42,8 @@ from .layer_skip import SkippingModel, kept_layers
 
 if TYPE_CHECKING:
     from ..engine import LLMEngine
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -125,18 +128,21 @@ class _Scorer:
         kept = kept_layers(len(self.model.layers), skip)
         hits = 0
         for (ids, plen), slots in zip(self.sequences, self.slots):
+            # only the positions whose next token is an answer token run the draft: the prompt's positions are
+            # never scored, and each query reads the full model's K/V before it, not the draft's
             n = len(ids) - 1  # positions 0..n-1 predict tokens 1..n
-            mask = torch.zeros(n, 2 * len(ids), dtype=torch.bool)
-            mask[:, :n] = torch.ones(n, n, dtype=torch.bool).tril(-1)
-            mask[torch.arange(n), len(ids) + torch.arange(n)] = True
-            pos = torch.arange(n)
-            group = AttnGroup(pos[None], torch.ones(1, n, dtype=torch.bool), slots[None], mask[None, None], pos[None],
-                              token_range=(0, n))
-            meta = AttentionMetadata(slots[len(ids): len(ids) + n], [group], n)
+            pos = torch.arange(plen - 1, n)
+            m = len(pos)
+            mask = torch.zeros(m, 2 * len(ids), dtype=torch.bool)
+            mask[:, :n] = pos[:, None] > torch.arange(n)[None, :]
+            mask[torch.arange(m), len(ids) + pos] = True
+            group = AttnGroup(torch.arange(m)[None], torch.ones(1, m, dtype=torch.bool), slots[None],
+                              mask[None, None], pos[None], token_range=(0, m))
+            meta = AttentionMetadata(slots[len(ids) + pos], [group], m)
             meta = meta.to(self.device) if self.device.type != "cpu" else meta
-            hidden = self.model(torch.tensor(ids[:-1], device=self.device), pos.to(self.device), meta,
+            hidden = self.model(torch.tensor(ids[plen - 1:n], device=self.device), pos.to(self.device), meta,
                                 self.kv.layers, layer_ids=kept)
-            logits = self.model.compute_logits(hidden[plen - 1:])
+            logits = self.model.compute_logits(hidden)
             hits += int((logits.argmax(-1).cpu() == torch.tensor(ids[plen:])).sum())
         return hits / self.tokens
 
@@ -242,6 +248,10 @@ def load_or_search(engine: LLMEngine, progress: bool = True) -> LayerSkipPlan:
     cached = LayerSkipPlan.load(path)
     if cached is not None and cached.num_layers == len(engine.loaded.model.layers):
         return cached
+    # an engine loaded with progress=False shows no bar: say why its start takes minutes
+    log.info("no layer-skip plan cached for %s: searching the layers to skip once (cached at %s)",
+             engine.config.model, path)
     plan = search_skip_layers(engine, progress=progress)
     plan.save(path)
+    log.info("layer-skip search done in %.0f s (%d trials)", plan.seconds, len(plan.trials))
     return plan
