@@ -237,7 +237,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-rows", default="", help="fixed rows not to run, comma-separated (e.g. layer-skip: "
-                    "its first use searches the layers: 68 trials, over 12 minutes for the 1.5b on 2 AVX2 cores); "
+                    "its first use searches the layers: 68 trials, 12 minutes for the 1.5b on 2 AVX2 cores, "
+                    "benchmarks/results/layer_search.md); "
                     "the table says so")
     ap.add_argument("--out", default="benchmarks/results/proposer_zoo")
     ap.add_argument("--resume", action="store_true", help="keep the rows a stopped run saved in OUT.partial.json")
