@@ -26,7 +26,7 @@ from ray import serve
 
 from turbospec import LLM, SamplingParams
 from turbospec.server.ray_bridge import Forwarded, merge_metrics, route_hint
-from turbospec.server.ray_router import PREFIX_CHARS, RouteHint, TokenAwareRouter, prefix_digest
+from turbospec.server.ray_router import KEEP_DONE_S, PREFIX_CHARS, RouteHint, TokenAwareRouter, prefix_digest
 from turbospec.server.ray_serve import APP_NAME, OpenAIIngress, RayServeOptions, _runtime_env, application
 
 pytestmark = pytest.mark.timeout(400)  # a cluster that cannot start fails, never hangs CI
@@ -95,6 +95,20 @@ def test_fewest_tokens_counts_its_own_requests_at_once_and_other_callers_from_th
     router.on_request_completed(b.replica_id, "untracked")  # completed before any routing callback
     router.on_request_routed(_request(RouteHint(cost=99), "untracked"), b.replica_id, None)
     assert router.load(a) == 0 and router.load(b) == 0
+    # a retry keeps the request id: the first try's late completion (from a) does not finish the retry (on b)
+    retry = _request(RouteHint(cost=40), "retry")
+    router.on_request_routed(retry, a.replica_id, None)
+    asyncio.run(router.choose_replicas([a, b], retry))  # the retry's guess, before the first try's completion
+    router.on_request_completed(a.replica_id, "retry")
+    router.on_request_routed(retry, b.replica_id, None)
+    assert router.load(a) == 0 and router.load(b) == 40
+    router.on_request_completed(b.replica_id, "retry")
+    # a guess whose caller went away while Ray Serve still queued it gets no callback: it lapses
+    asyncio.run(router.choose_replicas([a, b], _request(RouteHint(cost=70), "gone")))
+    assert router.load(a) + router.load(b) == 70
+    router._sent["gone"].sent -= KEEP_DONE_S + 1
+    asyncio.run(router.choose_replicas([a, b], _request(RouteHint(cost=5), "next")))
+    assert sorted([router.load(a), router.load(b)]) == [0, 5]
 
     # a burst with equal loads alternates: each choice counts before the next is made
     router = _router("fewest-tokens")

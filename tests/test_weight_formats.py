@@ -3,6 +3,7 @@ per-call kernel choice, and the formats on a real model (greedy output and refus
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -209,13 +210,16 @@ def test_two_processes_saving_crossovers_keep_each_others_entries(tmp_path):
     """Each process reads the file when it loads a model and measures its own signatures; the later save must
     not drop what the other measured meanwhile (two pytest workers, two replicas)."""
     path = tmp_path / "crossover.json"
+    path.write_text(json.dumps({"a": {"rows": 1}}))  # an entry from an older format: both re-measure it
     first, second = CrossoverCache(path), CrossoverCache(path)  # both opened before either saved
-    for cache, signature in ((first, "a"), (second, "b")):
-        cache.data[signature] = {"rows": 4, "gemm_rows": 0, "ms": {}}
-        cache.dirty = True
+    first.data["a"] = {"rows": 4, "gemm_rows": 0, "ms": {}}
+    first.measured.add("a")
+    second.data["b"] = {"rows": 6, "gemm_rows": 0, "ms": {}}
+    second.measured.add("b")
     first.save()
-    second.save()
-    assert set(CrossoverCache(path).data) == {"a", "b"}
+    second.save()  # its stale copy of "a" must not overwrite what the first measured
+    assert CrossoverCache(path).data == {"a": {"rows": 4, "gemm_rows": 0, "ms": {}},
+                                         "b": {"rows": 6, "gemm_rows": 0, "ms": {}}}
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "Q5_0"])

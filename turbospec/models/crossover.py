@@ -93,7 +93,7 @@ class CrossoverCache:
             self.data: dict[str, dict] = json.loads(path.read_text())
         except (OSError, ValueError):
             self.data = {}
-        self.dirty = False
+        self.measured: set[str] = set()  # what this process measured (the rest may be stale copies)
 
     def get(self, packed: PackedWeight, dense: torch.Tensor) -> Crossover:
         entry = self.data.get(packed.signature)
@@ -104,26 +104,27 @@ class CrossoverCache:
             entry = {"rows": crossover_rows({r: t for r, t in timings.items() if r in ROWS}),
                      "gemm_rows": gemm_crossover(timings), "ms": {str(r): list(t) for r, t in timings.items()}}
             self.data[packed.signature] = entry
-            self.dirty = True
+            self.measured.add(packed.signature)
         return Crossover(int(entry["rows"]), int(entry["gemm_rows"]))
 
     def save(self) -> None:
-        if not self.dirty:
+        if not self.measured:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # two processes loading models at once (pytest workers, replicas) each add their own signatures: under
-        # a lock, merge with what the file holds now, or the later writer drops the other's measurements
+        # two processes loading models at once (pytest workers, replicas) each measure their own signatures:
+        # under a lock, what this one measured joins what the file holds now (not the copy read at start, which
+        # would put back entries another process has since re-measured)
         with open(self.path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 on_disk = json.loads(self.path.read_text())
             except (OSError, ValueError):
                 on_disk = {}
-            self.data = {**on_disk, **self.data}
+            self.data = {**on_disk, **{k: self.data[k] for k in self.measured}}
             tmp = self.path.with_suffix(f".{os.getpid()}.partial")
             tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
             tmp.rename(self.path)
-        self.dirty = False
+        self.measured.clear()
 
 
 def cache_path(dtype: torch.dtype) -> Path:

@@ -52,6 +52,8 @@ class _Sent:
     cost: int
     sent: float
     done: float | None = None
+    done_by: ReplicaID | None = None  # the replica whose completion this was (a late one may be an earlier try's)
+    routed: bool = False  # Ray Serve said where it went (else a guess of choose_replicas)
 
 
 class TokenAwareRouter(RequestRouter):
@@ -93,22 +95,31 @@ class TokenAwareRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         """Where it went (choose_replicas guessed its first rank). Ray Serve calls this after awaiting the
         replica's acceptance, and a fast answer (a 400) may have completed by then: it stays completed, or its
-        cost would count against that replica for good."""
+        cost would count against that replica for good. A completion from another replica was an earlier try's
+        (a retry keeps the request id): this try is pending."""
         sent = self._sent.get(pending_request.metadata.internal_request_id)
         if sent is None:
             self._track(pending_request, replica_id)
-        else:
-            sent.replica = replica_id
+            sent = self._sent[pending_request.metadata.internal_request_id]
+        elif sent.done is not None and sent.done_by != replica_id:
+            sent.done = sent.done_by = None
+        sent.replica, sent.routed = replica_id, True
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         now = time.time()
         sent = self._sent.get(internal_request_id)
         if sent is None:  # completed before it was ever tracked: remembered, so a late on_request_routed sees it
-            self._sent[internal_request_id] = _Sent(replica_id, 0, now, done=now)
+            self._sent[internal_request_id] = _Sent(replica_id, 0, now, done=now, done_by=replica_id)
         else:
-            sent.done = now
-        # completed requests are kept while a replica report may still count them
-        self._sent = {k: s for k, s in self._sent.items() if s.done is None or now - s.done < KEEP_DONE_S}
+            sent.done, sent.done_by = now, replica_id
+        self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        """Completed requests are kept while a replica report may still count them; a guess never routed (its
+        caller went away while Ray Serve still queued it: no callback comes) only as long."""
+        self._sent = {k: s for k, s in self._sent.items()
+                      if (s.done is None and (s.routed or now - s.sent < KEEP_DONE_S))
+                      or (s.done is not None and now - s.done < KEEP_DONE_S)}
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -122,6 +133,7 @@ class TokenAwareRouter(RequestRouter):
             pending_request.routing_context.should_backoff = True  # an empty answer waits, never spins
         if not candidate_replicas:
             return []
+        self._prune(time.time())
         hint = _hint(pending_request)
         if hint.target is not None:
             return [[r for r in candidate_replicas if r.replica_id.unique_id == hint.target]]

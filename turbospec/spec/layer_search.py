@@ -105,7 +105,8 @@ class _Scorer:
     """Agreement of the target without a layer set with the target's own greedy tokens, as the live draft's
     first token sees it: every earlier position holds the full model's K/V (one full forward), and each
     position's own K/V is the draft's. The draft's K/V go to a second copy of the sequence's slots and a mask
-    lets query j see full slots 0..j-1 and its own copy only, so one forward scores every position at once."""
+    lets query j see full slots 0..j-1 and its own copy only, so one forward scores every answer position at
+    once (only those run: the prompt's positions predict nothing scored)."""
 
     def __init__(self, engine: LLMEngine, sequences: list[tuple[list[int], int]]) -> None:
         self.model = engine.loaded.model
@@ -248,8 +249,9 @@ def load_or_search(engine: LLMEngine, progress: bool = True) -> LayerSkipPlan:
     cached = LayerSkipPlan.load(path)
     if cached is not None and cached.num_layers == len(engine.loaded.model.layers):
         return cached
-    # an engine loaded with progress=False shows no bar: say why its start takes minutes
-    log.info("no layer-skip plan cached for %s: searching the layers to skip once (cached at %s)",
+    # an engine loaded with progress=False shows no bar, and INFO is not shown by default: say why its start
+    # takes minutes (12 for a 1.5B on 2 AVX2 cores)
+    log.warning("no layer-skip plan cached for %s: searching the layers to skip once (cached at %s)",
              engine.config.model, path)
     plan = search_skip_layers(engine, progress=progress)
     plan.save(path)
