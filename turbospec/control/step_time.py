@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -29,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ..attention_groups import gathered_slots
+from ..cache_files import write_text_atomically
 
 PARTS = ("target", "draft", "overhead")
 
@@ -358,10 +358,7 @@ class StepTimeModel:
         return cls(parts, reports, samples, dict(data.get("key", {})))
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two processes at once: own files
-        tmp.write_text(json.dumps(self.to_json()))
-        tmp.replace(path)
+        write_text_atomically(path, json.dumps(self.to_json()))
 
     @classmethod
     def load(cls, path: Path) -> StepTimeModel | None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
+from ..cache_files import write_text_atomically
 from ..control.profiler import profile_key, profile_path
 from ..sampling_params import SamplingParams
 from .exact import gap_drift
@@ -48,8 +49,7 @@ class MarginCalibration:
     key: dict[str, str]
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=1))
+        write_text_atomically(path, json.dumps(asdict(self), indent=1))
 
     @classmethod
     def load(cls, path: Path) -> MarginCalibration | None:

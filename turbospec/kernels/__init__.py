@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from ..cache_files import write_text_atomically
+
 log = logging.getLogger("turbospec.kernels")
 
 SOURCES = [Path(__file__).with_name(name)
@@ -182,10 +184,8 @@ def _measure_bf16_limit(threads: int) -> float:
             timings[f"{out_features}x{in_features}:{rows}"] = [ours, theirs]
             if ours >= theirs:
                 limit = BF16_PROBE_ROWS[i - 1] if i else 0  # the last count it won at, on every shape so far
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.partial")
-    tmp.write_text(json.dumps({"key": key, "limit": limit, "ms": timings}, indent=1))  # json writes inf as Infinity
-    tmp.rename(path)
+    # json writes inf as Infinity
+    write_text_atomically(path, json.dumps({"key": key, "limit": limit, "ms": timings}, indent=1))
     log.info("bf16 linears of up to %s rows run our kernel (bf16_rows.cpp), measured faster than torch's",
              "any number of" if limit == float("inf") else f"{limit:g}")
     return limit

@@ -11,15 +11,14 @@ Measured once per (signature, dtype, threads, hardware, torch); a 1.5B model's s
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ..cache_files import exclusive_lock, write_text_atomically
 from .layers import row_linear
 from .packed import PackedWeight
 
@@ -110,20 +109,16 @@ class CrossoverCache:
     def save(self) -> None:
         if not self.measured:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         # two processes loading models at once (pytest workers, replicas) each measure their own signatures:
         # under a lock, what this one measured joins what the file holds now (not the copy read at start, which
         # would put back entries another process has since re-measured)
-        with open(self.path.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with exclusive_lock(self.path.with_suffix(".lock")):
             try:
                 on_disk = json.loads(self.path.read_text())
             except (OSError, ValueError):
                 on_disk = {}
             self.data = {**on_disk, **{k: self.data[k] for k in self.measured}}
-            tmp = self.path.with_suffix(f".{os.getpid()}.partial")
-            tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
-            tmp.rename(self.path)
+            write_text_atomically(self.path, json.dumps(self.data, indent=1, sort_keys=True))
         self.measured.clear()
 
 

@@ -8,7 +8,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..cache_files import replace_atomically, write_text_atomically
 from . import registry
 from .gemma3 import Gemma3ForCausalLM
 from .gguf_loader import load_gguf
@@ -138,15 +138,10 @@ def _load_gguf_cached(gguf: Path, name: str, dtype: torch.dtype, device: str, pr
         cfg, tensors = load_gguf(gguf, name, progress=progress)
         net = build_empty(cfg, dtype, device)
         net.load_weights(tensors)
-        cache.mkdir(parents=True, exist_ok=True)
-        # two loads at once (parallel test workers): each writes its own files and renames them into place,
-        # the config first, so a reader that finds the weights finds a whole config too
-        tmp = config_file.with_suffix(f".{os.getpid()}.partial")
-        tmp.write_text(json.dumps(dataclasses.asdict(cfg)))
-        tmp.rename(config_file)
-        tmp = weights_file.with_suffix(f".{os.getpid()}.partial")
-        save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(tmp))
-        tmp.rename(weights_file)
+        # the config first: a reader that finds the weights finds a whole config too
+        write_text_atomically(config_file, json.dumps(dataclasses.asdict(cfg)))
+        replace_atomically(weights_file, lambda tmp: save_file({k: v.contiguous() for k, v in
+                                                                 net.state_dict().items()}, str(tmp)))
     tok = HFTokenizer.load(gguf.parent, gguf_file=gguf.name, cache_dir=cache / "tokenizer",
                            extra_eos=cfg.eos_token_ids)
     _check_vocab(tok, cfg, name)

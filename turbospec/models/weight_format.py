@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from .. import kernels
+from ..cache_files import replace_atomically
 from ..config import WEIGHT_FORMATS
 from . import gguf_blocks
 from .crossover import GEMM_ROWS, CrossoverCache, cache_path
@@ -179,10 +179,8 @@ def _load_packs(net: CausalLM, gguf: Path, dtype: torch.dtype, progress: bool, c
     if path is not None:
         tensors = {}
         kinds = {name: save_parts(packed, name, tensors) for name, packed in packs.items()}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.partial")  # two loads at once: each its own file
-        save_file(tensors, str(tmp), metadata={"kinds": json.dumps(kinds), "types": json.dumps(types)})
-        tmp.rename(path)  # atomic: a crash never leaves a half-written cache
+        metadata = {"kinds": json.dumps(kinds), "types": json.dumps(types)}
+        replace_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
     return types, packs
 
 

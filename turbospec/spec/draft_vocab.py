@@ -17,12 +17,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from ..cache_files import replace_atomically
 from ..models.layers import row_linear
 from ..models.llama import CausalLM
 from ..models.packed import PackedWeight
@@ -72,10 +72,7 @@ def token_counts(tokenizer: Tokenizer, vocab_size: int) -> np.ndarray | None:
         encoded = hf(answers, add_special_tokens=False)["input_ids"] if hf is not None else \
             [tokenizer.encode(a, add_special_tokens=False) for a in answers]
         counts = np.bincount(np.fromiter((t for ids in encoded for t in ids), dtype=np.int64))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.partial.npy")  # two processes at once: own files
-        np.save(tmp, counts)
-        tmp.rename(path)
+        replace_atomically(path, lambda tmp: np.save(tmp, counts))
     out = np.zeros(vocab_size, dtype=np.int64)
     n = min(vocab_size, len(counts))
     out[:n] = counts[:n]

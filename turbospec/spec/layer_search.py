@@ -32,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 from ..attention import AttentionMetadata, AttnGroup
+from ..cache_files import write_text_atomically
 from ..control.profiler import profile_key, profile_path
 from ..determinism.calibrate import calibration_prompts
 from ..kv.block_manager import BlockManager
@@ -62,8 +63,7 @@ class LayerSkipPlan:
     trials: list[dict[str, object]] = field(default_factory=list)  # every set scored: skip, agreement, speedup
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=1))
+        write_text_atomically(path, json.dumps(asdict(self), indent=1))
 
     @classmethod
     def load(cls, path: Path) -> LayerSkipPlan | None:
@@ -252,7 +252,7 @@ def load_or_search(engine: LLMEngine, progress: bool = True) -> LayerSkipPlan:
     # an engine loaded with progress=False shows no bar, and INFO is not shown by default: say why its start
     # takes minutes (12 for a 1.5B on 2 AVX2 cores)
     log.warning("no layer-skip plan cached for %s: searching the layers to skip once (cached at %s)",
-             engine.config.model, path)
+                engine.config.model, path)
     plan = search_skip_layers(engine, progress=progress)
     plan.save(path)
     log.info("layer-skip search done in %.0f s (%d trials)", plan.seconds, len(plan.trials))
