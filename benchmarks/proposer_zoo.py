@@ -8,11 +8,14 @@ does). Rows:
 - PLD: prompt lookup, k fixed; lookahead: Jacobi window + n-gram pool, trees of up to k nodes;
 - layer-skip: the searched set (turbospec search-layers);
 - Medusa, Hydra, EAGLE: our committed heads and draft layer (heads/), trees of up to k nodes;
+- DART: our parallel draft (spec/dart.py: the EAGLE layer adapted to predict 4 positions in one pass, its tree
+  searched with an n-gram table), trees of up to k nodes;
 - adaptive: the goodput controller choosing k on top of the best fixed row of the same run, measured alongside
   that fixed row and plain decoding once more (the engines loaded side by side, taking turns prompt by prompt):
   on a shared machine two runs made minutes apart differ by more than the controller's gain;
-- HF transformers: plain, its prompt lookup, and assisted generation with the same draft where one exists;
-- a row for DART, which does not run here yet, says what is missing.
+- HF transformers: plain, its prompt lookup, and assisted generation with the same draft where one exists.
+`--rows` runs some of the fixed rows only; `--side-by-side` loads plain and those rows together and lets them take
+turns prompt by prompt, as the adaptive rows are measured (on a shared machine the fairer comparison).
 Columns per data set: tokens/s (generated tokens over wall time, prefill included), speedup over the same
 engine's plain row, tau (tokens per verification step) and whether the output equals plain decoding.
 
@@ -41,11 +44,7 @@ from turbospec.bench.prompts import load_mtbench
 from turbospec.models.registry import pull
 
 DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
-FIXED = ("sps", "pld", "lookahead", "layer-skip", "medusa", "hydra", "eagle")
-MISSING = {
-    "dart": "not built yet: needs a draft layer that predicts several masked positions at once, and an n-gram trie "
-            "to prune its tree",
-}
+FIXED = ("sps", "pld", "lookahead", "layer-skip", "medusa", "hydra", "eagle", "dart")
 
 
 def datasets(model: str, n: int) -> dict[str, list[list[int]]]:
@@ -173,7 +172,7 @@ LABELS = {"plain": "plain (turbospec)", "sps": "SPS (draft model)", "pld": "PLD 
           "best-fixed-alongside": "the best fixed row again, alongside the adaptive one",
           "plain-alongside": "plain again, alongside the adaptive one",
           "hf-plain": "HF transformers plain", "hf-prompt-lookup": "HF prompt lookup",
-          "hf-assisted": "HF assisted generation", "dart": "DART"}
+          "hf-assisted": "HF assisted generation", "dart": "DART-style (our parallel draft, n-gram tree)"}
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -187,7 +186,9 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
          f"MT-Bench first turns and the first N HumanEval tasks (prompt pre-filled in a code fence), N per model: "
          f"{meta['prompts']}; k = {meta['k']} for SPS and PLD, {meta['tree_nodes']} tree nodes for lookahead and the "
          f"heads, "
-         f"layer-skip k = {meta['layer_skip_k']}; speedup over the same engine's plain row"), "",
+         f"layer-skip k = {meta['layer_skip_k']}; speedup over the same engine's plain row"),
+        *(["- side by side: plain and the fixed rows were loaded together and took turns prompt by prompt "
+           "(`--side-by-side`), so machine drift between rows cancels"] if meta.get("side_by_side") else []), "",
         "| model | method | MT-Bench tok/s | speedup | tau | HumanEval tok/s | speedup | tau | = plain |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -240,9 +241,15 @@ def main() -> None:
                     "its first use searches the layers: 68 trials, 12 minutes for the 1.5b on 2 AVX2 cores, "
                     "benchmarks/results/layer_search.md); "
                     "the table says so")
+    ap.add_argument("--rows", default=",".join(FIXED), help="the fixed rows to run, comma-separated")
+    ap.add_argument("--side-by-side", action="store_true",
+                    help="plain and --rows loaded together, taking turns prompt by prompt (one measurement group)")
     ap.add_argument("--out", default="benchmarks/results/proposer_zoo")
     ap.add_argument("--resume", action="store_true", help="keep the rows a stopped run saved in OUT.partial.json")
     args = ap.parse_args()
+    chosen = [r for r in args.rows.split(",") if r]
+    if unknown := set(chosen) - set(FIXED):
+        ap.error(f"--rows: unknown rows {sorted(unknown)}: choose from {', '.join(FIXED)}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_suffix(".partial.json")
@@ -260,7 +267,11 @@ def main() -> None:
         n = args.prompts or (3 if "1.5b" in model else 6)
         counts[model] = n
         data = datasets(model, n)
-        for row in ("plain", *FIXED):
+        rows_here = [r for r in ("plain", *chosen) if not have(model, r) and r not in args.skip_rows.split(",")
+                     and (r != "sps" or model in DRAFTS)]
+        if args.side_by_side and rows_here:
+            save(run_turbospec(args, model, {r: spec_config(r, model, args) for r in rows_here}, data))
+        for row in ("plain", *chosen):
             if have(model, row):
                 continue
             if row == "sps" and model not in DRAFTS:
@@ -288,14 +299,11 @@ def main() -> None:
             save([plain_alongside, alongside, adaptive])
         if not args.skip_hf and not have(model, "hf-plain"):
             save(run_hf(args, model, data))
-        for row, why in MISSING.items():
-            if not have(model, row):
-                save({"model": model, "row": row, "missing": why})
     summarise([r for r in rows if "sets" in r])
     meta = benchmark_meta(args.threads, dtype=args.dtype, weight_format=args.weight_format,
                           max_tokens=args.max_tokens,
                           prompts=", ".join(f"{m}: {n}" for m, n in counts.items()), k=args.k,
-                          tree_nodes=args.tree_nodes, layer_skip_k=args.layer_skip_k)
+                          tree_nodes=args.tree_nodes, layer_skip_k=args.layer_skip_k, side_by_side=args.side_by_side)
     save_results(out, meta, rows, markdown(meta, rows))
 
 

@@ -147,7 +147,8 @@ def test_chunked_prefill_prefix_cache_and_speculation_change_nothing(invariant: 
                {"method": "layer-skip", "skip_layers": [3, 9, 15, 21], "num_speculative_tokens": 3},
                {"method": "lookahead", "num_speculative_tokens": 4},
                # trained drafts (heads/): chains here, since deterministic requests never get trees
-               {"method": "hydra", "num_speculative_tokens": 4}, {"method": "eagle", "num_speculative_tokens": 4}]
+               {"method": "hydra", "num_speculative_tokens": 4}, {"method": "eagle", "num_speculative_tokens": 4},
+               {"method": "dart", "num_speculative_tokens": 4}]
     for config in configs:
         spec = _llm("batch-invariant", speculative_config=config)
         assert set(_needle_runs(spec, GREEDY, trials=1)) == {want}, config  # alone, then in a random batch

@@ -86,12 +86,12 @@ def test_eagle_conversation_labels_are_the_targets_greedy_choices(plain, tmp_pat
 
 
 def test_conversations_are_refused_for_heads_and_code_only_needs_them():
-    with pytest.raises(ValueError, match="--data conversations trains --method eagle only"):
+    with pytest.raises(ValueError, match="--data conversations trains --method eagle or dart only"):
         TrainHeadOptions("medusa", data="conversations")  # the library refuses it too, not only the CLI
     with pytest.raises(ValueError, match="data must be one of answers, conversations"):
         TrainHeadOptions("eagle", data="chats")
     for flags, message in ((["--method", "hydra", "--data", "conversations"], "--data conversations trains --method "
-                            "eagle only"), (["--method", "eagle", "--code-only"], "--code-only applies to --data "
+                            "eagle or dart only"), (["--method", "eagle", "--code-only"], "--code-only applies to --data "
                                             "conversations only")):
         run = subprocess.run([sys.executable, "-m", "turbospec.cli", "train-head", "--model", MODEL, *flags],
                              capture_output=True, text=True, timeout=300)
@@ -243,14 +243,14 @@ def test_missing_or_mismatched_heads_are_refused(tmp_path):
         LLM(MODEL, speculative_config={"method": "medusa", "tree_branch": 0})
     with pytest.raises(ValueError, match="tree_depth must be an integer >= 1 or null"):
         LLM(MODEL, speculative_config={"method": "eagle", "tree_depth": 0})
-    with pytest.raises(ValueError, match="tree_depth only applies to methods medusa, hydra, eagle, not 'ngram'"):
+    with pytest.raises(ValueError, match="tree_depth only applies to methods medusa, hydra, eagle, dart, not 'ngram'"):
         LLM(MODEL, speculative_config={"method": "ngram", "tree_depth": 3})
     with pytest.raises(ValueError, match="tree_depth 9 is deeper than the 4 heads"):
         LLM(MODEL, dtype="float32", max_model_len=128, kv_cache_memory_gib=0.05, progress=False,
             speculative_config={"method": "hydra", "tree_depth": 9})
 
 
-@pytest.mark.parametrize("flags, message", [(["--method", "dart"], "invalid choice: 'dart'"),
+@pytest.mark.parametrize("flags, message", [(["--method", "spin"], "invalid choice: 'spin'"),
                                             (["--method", "medusa", "--num-heads", "0"], "--num-heads must be >= 1"),
                                             (["--method", "hydra", "--budget-minutes", "0"],
                                              "--budget-minutes must be > 0")])

@@ -118,11 +118,17 @@ def _parser() -> argparse.ArgumentParser:
     lay.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
     lay.add_argument("--num-threads", type=int, default=None)
 
-    th = sub.add_parser("train-head", help="train Medusa / Hydra heads or an EAGLE draft layer by self-distillation "
-                                           "on ShareGPT")
+    th = sub.add_parser("train-head", help="train Medusa / Hydra heads, an EAGLE draft layer or a DART draft on "
+                                           "top of it by self-distillation on ShareGPT")
     th.add_argument("--model", required=True, help="registry name, .gguf path or HF directory")
-    th.add_argument("--method", required=True, choices=["medusa", "hydra", "eagle"])
-    th.add_argument("--num-heads", type=int, default=4, help="tokens drafted past the known one (EAGLE: its depth)")
+    th.add_argument("--method", required=True, choices=["medusa", "hydra", "eagle", "dart"])
+    th.add_argument("--num-heads", type=int, default=4,
+                    help="tokens drafted past the known one (EAGLE: its depth; DART: positions per pass)")
+    th.add_argument("--base", default=None,
+                    help="dart: the trained EAGLE draft it adapts (default: heads/<model>-eagle.safetensors)")
+    th.add_argument("--train-sequences", type=int, default=0,
+                    help="dart: train on the first N training sequences only (0: all; the held-out ones stay "
+                         "those of the same --num-prompts)")
     th.add_argument("--num-prompts", type=int, default=400, help="ShareGPT prompts the target answers")
     th.add_argument("--max-tokens", type=int, default=128, help="answer tokens per prompt")
     th.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary: the answers' most frequent tokens")
@@ -285,7 +291,9 @@ def _train_head(args: argparse.Namespace) -> int:
                 raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
         opts = TrainHeadOptions(args.method, args.num_heads, args.num_prompts, args.max_tokens, args.draft_vocab,
                                 args.budget_minutes, args.epochs, args.batch_size, args.lr, data=args.data,
-                                code_only=args.code_only)
+                                code_only=args.code_only, train_sequences=args.train_sequences)
+        if args.train_sequences < 0:
+            raise ValueError(f"--train-sequences must be >= 0, got {args.train_sequences}")
         engine = _tool_engine(args, max_model_len=2048, max_num_seqs=16, kv_cache_memory_gib=1.0)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
@@ -294,6 +302,14 @@ def _train_head(args: argparse.Namespace) -> int:
         from .spec.eagle_training import train_eagle
 
         report = train_eagle(engine, opts, out, resume=args.resume)
+    elif args.method == "dart":
+        from .spec.dart_training import train_dart
+
+        base = Path(args.base) if args.base else head_path(args.model, "eagle")
+        try:
+            report = train_dart(engine, opts, out, base, resume=args.resume)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
     else:
         report = train_heads(engine, opts, out, resume=args.resume)
     print(f"{args.method}: held-out top-1 accuracy per draft position {report['heldout_top1_accuracy']}, "

@@ -115,9 +115,9 @@ def check_positive(name: str, value: object, alternative: str = "") -> None:
         raise ValueError(f"{name} must be an integer >= 1{' ' + alternative if alternative else ''}, got {value!r}")
 
 
-SPEC_METHODS = ("ngram", "draft", "layer-skip", "medusa", "hydra", "eagle", "lookahead")
+SPEC_METHODS = ("ngram", "draft", "layer-skip", "medusa", "hydra", "eagle", "dart", "lookahead")
 # methods that draft from the target's hidden states with a trained file (heads/)
-HEAD_METHODS = ("medusa", "hydra", "eagle")
+HEAD_METHODS = ("medusa", "hydra", "eagle", "dart")
 DRAFT_VOCAB_METHODS = ("draft", "layer-skip")  # the proposers that run a model's own LM head
 
 

@@ -92,16 +92,23 @@ class EagleDraft(nn.Module):
         return final + self.fuse_up(F.silu(self.fuse_down(features)))
 
     def forward(self, states: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor,
-                past: tuple[torch.Tensor, torch.Tensor] | None = None
+                past: tuple[torch.Tensor, torch.Tensor] | None = None, appended: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """states [B, T, H], tokens [B, T] -> outputs [B, T, H] and the keys / values of every entry so far.
 
         mask [B, T, P + T] (True: query may attend key) covers `past` (P earlier entries' keys and values, from
         a previous call) and these T entries: earlier outputs never change when entries are appended (causal),
-        so drafting one more entry costs one position, not the whole window again."""
+        so drafting one more entry costs one position, not the whole window again.
+        `appended` [B, M, H]: DART's mask entries (dart.py), placed after the T entries: each is the last entry's
+        input plus its offset in units of that input's RMS (a mask needs the context's latest state: the layer
+        has no positions, so attention alone could not find it); T and the mask then count them too."""
         assert self.embed_weight is not None, "attach() the target's tensors first"
         e = _rms(F.embedding(tokens, self.embed_weight).to(states.dtype))
         x = states + self.in_up(F.silu(self.in_down(torch.cat([states, e], dim=-1))))
+        if appended is not None:
+            last = x[:, -1:]
+            scale = last.float().pow(2).mean(-1, keepdim=True).sqrt().to(x.dtype)
+            x = torch.cat([x, last + appended.to(x.dtype) * scale], dim=1)
         b, t, _ = x.shape
         q, k, v = self.qkv(_rms(x) * self.norm1).view(b, t, 3, -1, HEAD_DIM).permute(2, 0, 3, 1, 4)
         if past is not None:
@@ -120,9 +127,7 @@ class EagleDraft(nn.Module):
 
     @classmethod
     def load(cls, path: Path, dtype: torch.dtype = torch.float32) -> tuple[EagleDraft, dict[str, object]]:
-        config, tensors, extra = read_head_file(path)
-        if config.get("method") != "eagle":
-            raise ValueError(f"{path} holds {config.get('method')} heads, not an EAGLE draft")
+        config, tensors, extra = read_head_file(path, "eagle")
         draft = cls(EagleConfig(**config), tensors.pop("vocab"))  # type: ignore[arg-type]
         draft.load_state_dict({k: v.to(dtype) for k, v in tensors.items()})
         draft.to(dtype).requires_grad_(False)

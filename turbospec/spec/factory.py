@@ -10,6 +10,8 @@ from ..config import HEAD_METHODS, SpeculativeConfig
 from ..models.llama import CausalLM
 from ..models.loader import load_model
 from ..models.tokenizer import Tokenizer
+from .dart import DartDraft
+from .dart_proposer import DartProposer
 from .draft_model import DraftModelProposer, check_same_vocabulary
 from .draft_vocab import DraftVocabulary, resolve_size
 from .eagle import EagleDraft
@@ -68,9 +70,7 @@ def _head_proposer(spec: SpeculativeConfig, engine: LLMEngine) -> TreeDrafter:
     if not path.exists():
         raise ValueError(f"no trained {spec.method} heads at {path}: train them with `turbospec train-head --model "
                          f"{engine.config.model} --method {spec.method}` or give \"heads\": \"<file>\"")
-    config, _, _ = read_head_file(path)
-    if config.get("method") != spec.method:
-        raise ValueError(f"{path} holds {config.get('method')} heads, not {spec.method}")
+    config, _, _ = read_head_file(path, spec.method)
     hidden, vocab, model_name = config.get("hidden_size"), config.get("vocab_size"), config.get("model")
     if hidden != engine.model_config.hidden_size or vocab != engine.model_config.vocab_size:
         raise ValueError(f"{path} was trained for a model with hidden size {hidden} and {vocab} tokens; this one "
@@ -78,12 +78,19 @@ def _head_proposer(spec: SpeculativeConfig, engine: LLMEngine) -> TreeDrafter:
     if model_name != engine.config.model:
         log.warning("heads in %s were trained for %s, not %s: drafts may be poor (output stays exact)", path,
                     model_name, engine.config.model)
-    num_heads = config.get("num_heads")
+    num_heads = config.get("depth") if spec.method == "dart" else config.get("num_heads")
     if spec.method != "eagle" and spec.tree_depth is not None and spec.tree_depth > num_heads:  # type: ignore[operator]
-        raise ValueError(f"tree_depth {spec.tree_depth} is deeper than the {num_heads} heads in {path} (each head "
-                         f"drafts one level): use at most {num_heads}, or null")
+        raise ValueError(f"tree_depth {spec.tree_depth} is deeper than the {num_heads} "
+                         f"{'positions' if spec.method == 'dart' else 'heads'} in {path} (each drafts one level): "
+                         f"use at most {num_heads}, or null")
     model = engine.loaded.model
     lm_weight = model.embed.weight if model.lm_head is None else model.lm_head.weight
+    if spec.method == "dart":
+        dart, _ = DartDraft.load(path, engine.dtype)
+        dart.base.attach(lm_weight, model.embed.weight, model.lm_head_packed)
+        log.info("dart draft (%d positions per pass, base %s, %d n-gram pairs) from %s", dart.config.depth,
+                 dart.config.base, len(dart.ngram_prev), path)
+        return DartProposer(dart, spec.tree_branch, spec.tree_branch, spec.tree_depth)
     if spec.method == "eagle":
         draft, _ = EagleDraft.load(path, engine.dtype)
         draft.attach(lm_weight, model.embed.weight, model.lm_head_packed)

@@ -172,6 +172,20 @@ class EagleProposer(TreeDrafter):
         super().free(request_id)
         self.window.pop(request_id, None)
 
+    def _batch(self, seqs: list[list[tuple[torch.Tensor, int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(state, token) entry lists -> states [R, T, H], tokens [R, T] and valid [R, T], right-aligned: every
+        row's last entry is the last column (padding on the left)."""
+        length = max(len(s) for s in seqs)
+        states = torch.zeros(len(seqs), length, self.draft.config.hidden_size, dtype=self.draft.qkv.weight.dtype)
+        tokens = torch.zeros(len(seqs), length, dtype=torch.long)
+        valid = torch.zeros(len(seqs), length, dtype=torch.bool)
+        for r, seq in enumerate(seqs):
+            pad = length - len(seq)
+            states[r, pad:] = torch.stack([s for s, _ in seq])
+            tokens[r, pad:] = torch.tensor([t for _, t in seq])
+            valid[r, pad:] = True
+        return states, tokens, valid
+
     def _expand(self, requests: list[Request], rows: Rows, trees: dict[int, list[_Node]], depth: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         seqs = []
@@ -181,17 +195,8 @@ class EagleProposer(TreeDrafter):
                 path.append((trees[i][n].state, trees[i][n].token))
                 n = trees[i][n].parent
             seqs.append(list(self.window[requests[i].request_id]) + path[::-1])
-        length = max(len(s) for s in seqs)
-        h = self.draft.config.hidden_size
-        dtype = self.draft.qkv.weight.dtype
-        states = torch.zeros(len(seqs), length, h, dtype=dtype)
-        tokens = torch.zeros(len(seqs), length, dtype=torch.long)
-        valid = torch.zeros(len(seqs), length, dtype=torch.bool)
-        for r, seq in enumerate(seqs):  # right-aligned: every row's last entry is the last column
-            pad = length - len(seq)
-            states[r, pad:] = torch.stack([s for s, _ in seq])
-            tokens[r, pad:] = torch.tensor([t for _, t in seq])
-            valid[r, pad:] = True
+        states, tokens, valid = self._batch(seqs)
+        length = states.shape[1]
         mask = torch.ones(length, length, dtype=torch.bool).tril()[None] & valid[:, None, :]
         mask |= torch.eye(length, dtype=torch.bool)[None]  # padded queries see themselves (their rows are unused)
         out = self.draft(states, tokens, mask)[0][:, -1]

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 PROMPT_SKIP = 1000
 IGNORE = -100
 DATA_SOURCES = ("answers", "conversations")
+FEATURE_METHODS = ("eagle", "dart")  # drafts over the target's fused layer features
 
 
 @dataclass
@@ -66,14 +67,17 @@ class TrainHeadOptions:
     # (one forward per conversation: several times more positions per CPU second here)
     data: str = "answers"
     code_only: bool = False  # conversations: only answers holding a fenced code block
+    train_sequences: int = 0  # DART: train on the first N training sequences only (0: all); the split is unchanged
 
     def __post_init__(self) -> None:
         # refused here, not only by the CLI: train_heads() on recorded answers would learn ChatGPT's tokens
         if self.data not in DATA_SOURCES:
             raise ValueError(f"data must be one of {', '.join(DATA_SOURCES)}, got {self.data!r}")
-        if self.data == "conversations" and self.method != "eagle":
-            raise ValueError(f"--data conversations trains --method eagle only (the {self.method} heads learn from "
-                             "the target's own answers): use --data answers")
+        if self.data == "conversations" and self.method not in FEATURE_METHODS:
+            raise ValueError(f"--data conversations trains --method eagle or dart only (the {self.method} heads "
+                             "learn from the target's own answers): use --data answers")
+        if self.train_sequences and self.method != "dart":
+            raise ValueError("--train-sequences applies to --method dart only")
         if self.code_only and self.data != "conversations":
             raise ValueError("--code-only applies to --data conversations only")
 

@@ -104,20 +104,27 @@ class DraftHeads(nn.Module):
 
 def save_head_file(path: Path, module: nn.Module, config: dict[str, object], extra: dict[str, object]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in module.state_dict().items()}
+    # weights in bf16; integer tables (DART's n-gram) as int32
+    tensors = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else torch.int32).contiguous()
+               for k, v in module.state_dict().items()}
     tensors["vocab"] = module.vocab.to(torch.int32).contiguous()  # type: ignore[union-attr,operator]
     save_file(tensors, str(path), metadata={"config": json.dumps(config), "extra": json.dumps(extra)})
 
 
-def read_head_file(path: Path) -> tuple[dict[str, object], dict[str, torch.Tensor], dict[str, object]]:
-    """(config, tensors with "vocab", training report) of a head file."""
+def read_head_file(path: Path, method: str | None = None
+                   ) -> tuple[dict[str, object], dict[str, torch.Tensor], dict[str, object]]:
+    """(config, tensors with "vocab", training report) of a head file; refused unless it holds `method`'s draft
+    when one is named."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
     if "config" not in meta:
         raise ValueError(f"{path} is not a turbospec head file (no config in its metadata)")
-    return json.loads(meta["config"]), load_file(str(path)), json.loads(meta.get("extra", "{}"))
+    config = json.loads(meta["config"])
+    if method is not None and config.get("method") != method:
+        raise ValueError(f"{path} holds {config.get('method')} heads, not {method}")
+    return config, load_file(str(path)), json.loads(meta.get("extra", "{}"))
 
 
 def head_path(model: str, method: str) -> Path:
