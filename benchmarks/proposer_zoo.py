@@ -227,7 +227,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=0, help="prompts per data set (0: 6 for small models, 3 for 1.5b)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step for SPS and PLD")
-    ap.add_argument("--tree-nodes", type=int, default=8, help="tree nodes per step (lookahead, Medusa, Hydra, EAGLE)")
+    ap.add_argument("--tree-nodes", type=int, default=8,
+                    help="tree nodes per step (lookahead, Medusa, Hydra, EAGLE, DART)")
     ap.add_argument("--layer-skip-k", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     # dense by default, as seed 003 compares proposers (and HF runs dense): on this CPU a dense forward over 8
@@ -269,6 +270,9 @@ def main() -> None:
         data = datasets(model, n)
         rows_here = [r for r in ("plain", *chosen) if not have(model, r) and r not in args.skip_rows.split(",")
                      and (r != "sps" or model in DRAFTS)]
+        if args.side_by_side and rows_here and "plain" not in rows_here:
+            ap.error(f"--side-by-side: {model}'s plain row was measured by an earlier process (--resume) and the "
+                     f"rows {rows_here} would run without it: resume with the plain row too, or start afresh")
         if args.side_by_side and rows_here:
             save(run_turbospec(args, model, {r: spec_config(r, model, args) for r in rows_here}, data))
         for row in ("plain", *chosen):
@@ -281,8 +285,8 @@ def main() -> None:
                 save({"model": model, "row": row, "missing": "not run this time (--skip-rows)"})
                 continue
             save(run_turbospec(args, model, {row: spec_config(row, model, args)}, data))
-        if not have(model, "adaptive"):
-            fixed = [r for r in rows if r["model"] == model and r["row"] in FIXED and "sets" in r]
+        fixed = [r for r in rows if r["model"] == model and r["row"] in FIXED and "sets" in r]
+        if not have(model, "adaptive") and fixed:  # (--rows may choose only rows that cannot run here)
             plain = next(r for r in rows if r["model"] == model and r["row"] == "plain")
             def speed(r: dict[str, Any]) -> float:  # mean speedup over the data sets (the same prompts)
                 return sum(plain["sets"][s]["seconds"] / r["sets"][s]["seconds"] for s in r["sets"])

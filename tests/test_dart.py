@@ -123,7 +123,16 @@ def test_proposer_prefers_the_path_the_ngram_knows(plain, tmp_path):
         0: (torch.tensor([[0.0, -9.0], [-1.0, -1.0]]), torch.tensor([[5, int(v[3])], [second, first]]))})
     assert proposer.propose([req], [2])[0].tokens == [5, first]  # (5, v[0]) was seen 3 times, (5, v[1]) never
     pairs, totals, counted = proposer.context[rid]
-    assert counted == len(req.all_token_ids) and sum(totals.values()) == counted - 1
+    ids = list(req.all_token_ids)
+    assert counted == len(ids) and pairs == Counter(zip(ids[:-1], ids[1:]))
+    req.output_token_ids.extend([first, second, first])  # three more tokens: only the three new pairs are added
+    ids = list(req.all_token_ids)
+    assert proposer._count_context(req)[0] == Counter(zip(ids[:-1], ids[1:]))
+    del req.output_token_ids[-3:]  # taken back without a rollback notice: counted afresh
+    ids = list(req.all_token_ids)
+    assert proposer._count_context(req)[0] == Counter(zip(ids[:-1], ids[1:])) and proposer.position_top == {}
+    with pytest.raises(ValueError, match="grows trees 1 to 2 deep, not 3"):
+        DartProposer(dart, depth=3)
     engine.abort_request(rid)
 
 
@@ -137,6 +146,7 @@ def test_training_pipeline(plain, tmp_path, monkeypatch):
     shutil.copy(BASE, base)
     report = train_dart(plain.engine, opts, tmp_path / "dart.safetensors", base, progress=False)
     assert report["complete"] and report["steps"] > 0 and len(report["heldout_top1_accuracy"]) == 3
+    assert report["held_out_unseen_by_base"] is False  # the base learnt from 600 prompts' answers, this run 4
     dart, extra = DartDraft.load(tmp_path / "dart.safetensors")
     assert dart.config.base == BASE.name and dart.config.depth == 3 and extra["ngram_pairs"] > 0
     assert plain.engine.loaded.model.capture_layers == ()
@@ -160,6 +170,10 @@ def test_committed_dart_is_exact_and_accepted(plain):
 
 @pytest.mark.parametrize("flags, message", [(["--method", "eagle", "--train-sequences", "5"],
                                              "--train-sequences applies to --method dart only"),
+                                            (["--method", "eagle", "--base", str(BASE)],
+                                             "--base applies to --method dart only"),
+                                            (["--method", "dart", "--train-sequences", "-1"],
+                                             "--train-sequences must be >= 0"),
                                             (["--method", "dart", "--base", "/nonexistent.safetensors"],
                                              "DART adapts a trained EAGLE draft and /nonexistent.safetensors is "
                                              "missing")])

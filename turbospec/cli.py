@@ -292,8 +292,12 @@ def _train_head(args: argparse.Namespace) -> int:
         opts = TrainHeadOptions(args.method, args.num_heads, args.num_prompts, args.max_tokens, args.draft_vocab,
                                 args.budget_minutes, args.epochs, args.batch_size, args.lr, data=args.data,
                                 code_only=args.code_only, train_sequences=args.train_sequences)
-        if args.train_sequences < 0:
-            raise ValueError(f"--train-sequences must be >= 0, got {args.train_sequences}")
+        if args.base is not None and args.method != "dart":
+            raise ValueError("--base applies to --method dart only")
+        base = Path(args.base) if args.base else head_path(args.model, "eagle")
+        if args.method == "dart" and not base.exists():
+            raise ValueError(f"DART adapts a trained EAGLE draft and {base} is missing: train one first "
+                             f"(`turbospec train-head --model {args.model} --method eagle`) or give --base")
         engine = _tool_engine(args, max_model_len=2048, max_num_seqs=16, kv_cache_memory_gib=1.0)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
@@ -305,11 +309,7 @@ def _train_head(args: argparse.Namespace) -> int:
     elif args.method == "dart":
         from .spec.dart_training import train_dart
 
-        base = Path(args.base) if args.base else head_path(args.model, "eagle")
-        try:
-            report = train_dart(engine, opts, out, base, resume=args.resume)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from exc
+        report = train_dart(engine, opts, out, base, resume=args.resume)
     else:
         report = train_heads(engine, opts, out, resume=args.resume)
     print(f"{args.method}: held-out top-1 accuracy per draft position {report['heldout_top1_accuracy']}, "

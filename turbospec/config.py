@@ -133,12 +133,13 @@ class SpeculativeConfig:
     # method "layer-skip": the layers the target skips when it drafts for itself; None: the searched set
     # (`turbospec search-layers`, run on first use and cached per model)
     skip_layers: list[int] | None = None
-    # methods "medusa" / "hydra" / "eagle": the trained file; None: heads/<model>-<method>.safetensors
+    # methods "medusa" / "hydra" / "eagle" / "dart": the trained file; None: heads/<model>-<method>.safetensors
     heads: str | None = None
     # heads: children tried per expanded node when a request's drafts may branch (1: chains only)
     tree_branch: int = 4
-    # heads: draft steps per tree, i.e. its deepest level; None: one per head (Medusa, Hydra) or the EAGLE layer's
-    # trained depth. EAGLE may go deeper: its layer reads its own outputs at every step, trained depth or not.
+    # heads: draft steps per tree, i.e. its deepest level; None: one per head (Medusa, Hydra), the EAGLE layer's
+    # trained depth or DART's positions per pass. EAGLE may go deeper: its layer reads its own outputs at every
+    # step, trained depth or not; DART may not (one pass predicts a fixed number of positions).
     tree_depth: int | None = None
     # method "lookahead": Jacobi window length and n-gram size of its pool (spec/lookahead.py)
     lookahead_window: int = 4

@@ -18,11 +18,15 @@ import torch
 from ..request import Request
 from .dart import DartDraft, NgramScorer
 from .head_proposer import EagleProposer, Rows, _Node
+from .proposer import Draft
 
 
 class DartProposer(EagleProposer):
     def __init__(self, draft: DartDraft, branch: int = 4, beam: int = 4, depth: int | None = None,
                  candidates: int = 8, ngram_weight: float = 0.5) -> None:
+        if depth is not None and not 1 <= depth <= draft.config.depth:
+            raise ValueError(f"a DART draft predicting {draft.config.depth} positions grows trees 1 to "
+                             f"{draft.config.depth} deep, not {depth}")
         super().__init__(draft.base, branch, beam, depth or draft.config.depth)
         self.dart = draft
         self.candidates = max(candidates, branch)
@@ -40,6 +44,8 @@ class DartProposer(EagleProposer):
     def _count_context(self, req: Request) -> tuple[Counter[tuple[int, int]], Counter[int]]:
         pairs, totals, counted = self.context.get(req.request_id, (Counter(), Counter(), 0))
         ids = req.all_token_ids
+        if counted > len(ids):  # tokens were taken back without a rollback notice: count afresh
+            pairs, totals, counted = Counter(), Counter(), 0
         for p, c in zip(ids[max(0, counted - 1):-1], ids[max(1, counted):]):
             pairs[(p, c)] += 1
             totals[p] += 1
@@ -52,6 +58,12 @@ class DartProposer(EagleProposer):
         log_p = self.draft.logits(self.dart(states, tokens, valid)).float().log_softmax(-1)  # [R, d, Vd]
         top_lp, top_ix = log_p.topk(min(self.candidates, log_p.shape[-1]), dim=-1)
         self.position_top = {i: (top_lp[r], self.draft.vocab[top_ix[r]]) for r, i in enumerate(live)}
+
+    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Draft]:
+        try:
+            return super().propose(requests, num_tokens)
+        finally:
+            self.position_top = {}  # this call's only
 
     def _expand(self, requests: list[Request], rows: Rows, trees: dict[int, list[_Node]], depth: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

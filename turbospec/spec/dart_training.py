@@ -1,7 +1,8 @@
 """Train the DART-style parallel draft (dart.py) on a trained EAGLE draft: ``turbospec train-head --method dart``.
 
-Data and features are EAGLE's (eagle_training.py), with the same options giving the same split, so the base
-EAGLE file never saw the held-out sequences either; `train_sequences` keeps only the first N training sequences
+Data and features are EAGLE's (eagle_training.py). With the base's own data options the split is the base's, so
+the held-out sequences are unseen by the base too; the report says whether the options matched
+(`held_out_unseen_by_base`), and a mismatch is warned about; `train_sequences` keeps only the first N training sequences
 (the target's features are most of the cost on a CPU without bf16 arithmetic). An example is a position t with
 a window of entries ending there; one pass predicts the target's choice at t + 1 (the last entry's output) and
 at t + 1 + i (mask entry i), i < depth. Only the mask entries and the low-rank deltas are trained. The n-gram
@@ -10,6 +11,7 @@ table counts, over the training sequences, which token the target chose after ea
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections import Counter
@@ -22,10 +24,9 @@ import torch.nn.functional as F
 
 from .dart import DartConfig, DartDraft, file_sha256, ngram_table
 from .eagle import EagleDraft
-from .eagle_training import WINDOW, FlatExamples, _examples, target_features
+from .eagle_training import WINDOW, FlatExamples, _examples, features_path, target_features
 from .head_training import (
     IGNORE,
-    PROMPT_SKIP,
     TrainHeadOptions,
     cached,
     data_description,
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from ..engine import LLMEngine
 
 LORA_RANK = 32
+log = logging.getLogger(__name__)
 
 
 def choice_pairs(flat: FlatExamples) -> Counter[tuple[int, int]]:
@@ -75,7 +77,14 @@ def train_dart(engine: LLMEngine, opts: TrainHeadOptions, out_path: Path, base_p
     if not base_path.exists():
         raise ValueError(f"DART adapts a trained EAGLE draft and {base_path} is missing: train one first "
                          f"(`turbospec train-head --model {engine.config.model} --method eagle`) or give --base")
-    base, _ = EagleDraft.load(base_path)
+    base, base_report = EagleDraft.load(base_path)
+    base_opts = base_report.get("options") or {}
+    same_split = all(base_opts.get(k) == v for k, v in asdict(opts).items()  # type: ignore[union-attr]
+                     if k in ("data", "code_only", "num_prompts", "max_tokens", "seed"))
+    if not same_split:
+        log.warning("the base %s was trained with other data options (%s): its training sequences may include "
+                    "this run's held-out ones, so held-out accuracy may read high", base_path,
+                    {k: base_opts.get(k) for k in ("data", "code_only", "num_prompts", "max_tokens", "seed")})
     cfg = engine.model_config
     if base.config.hidden_size != cfg.hidden_size or base.config.vocab_size != cfg.vocab_size:
         raise ValueError(f"{base_path} was trained for another model ({base.config.model})")
@@ -86,11 +95,10 @@ def train_dart(engine: LLMEngine, opts: TrainHeadOptions, out_path: Path, base_p
     split = split_answers(engine, opts, progress)
     n_seqs = len(split.train) + len(split.held_out)
     train_seqs = split.train[: opts.train_sequences] if opts.train_sequences else split.train
-    tag = f"{opts.data}{'-code' if opts.code_only else ''}-{PROMPT_SKIP}-{opts.max_tokens}-{n_seqs}"
-    if opts.train_sequences:
-        tag += f"-first{len(train_seqs)}"  # EAGLE's file holds every training sequence: the same order
+    # EAGLE's file holds every training sequence; a subset is cached apart
+    suffix = f"-first{len(train_seqs)}" if opts.train_sequences else ""
     layers = base.config.feature_layers
-    feats = cached(work_dir(engine.config.model) / f"eagle-features-{tag}.pt",
+    feats = cached(features_path(engine.config.model, opts, n_seqs, suffix),
                    lambda: target_features(engine, train_seqs + split.held_out, layers, WINDOW, progress))
     train = _examples(train_seqs, feats[: len(train_seqs)], WINDOW)
     held_out = _examples(split.held_out, feats[-len(split.held_out):], WINDOW)
@@ -108,8 +116,10 @@ def train_dart(engine: LLMEngine, opts: TrainHeadOptions, out_path: Path, base_p
         per_position, _ = _batch_loss(dart, train, examples, widths.randint(1, WINDOW), remap)
         return per_position.sum() / (len(examples) * config.depth)
 
+    # the checkpoint belongs to this base, depth and data: --resume never continues another run's deltas
+    ckpt = f"checkpoint-dart-{config.base_sha256[:12]}-{config.depth}-{len(train_seqs)}-{n_seqs}.pt"
     step, total_steps, losses, train_s = train_loop(
-        dart, opts, len(train.examples), work_dir(engine.config.model) / "checkpoint-dart.pt", resume, loss_of,
+        dart, opts, len(train.examples), work_dir(engine.config.model) / ckpt, resume, loss_of,
         "training dart draft", progress)
     with torch.no_grad():
         hits = sum((_batch_loss(dart, held_out, held_out.examples[s: s + 512], WINDOW, remap)[1]
@@ -121,6 +131,7 @@ def train_dart(engine: LLMEngine, opts: TrainHeadOptions, out_path: Path, base_p
         "heldout_top1_accuracy": [round(a, 4) for a in accuracy],
         "train_positions": len(train.examples), "eval_positions": len(held_out.examples), "prompts": n_seqs,
         "train_sequences": len(train_seqs), "base": config.base, "ngram_pairs": len(dart.ngram_prev),
+        "held_out_unseen_by_base": same_split,
         "seconds": round(time.perf_counter() - started, 1), "train_seconds": round(train_s, 1),
         "data": data_description(opts, n_seqs), "complete": step >= total_steps,
     }

@@ -70,6 +70,12 @@ def target_features(engine: LLMEngine, sequences: list[tuple[list[int], int]], l
 Features = list[tuple[torch.Tensor, int, torch.Tensor]]
 
 
+def features_path(model: str, opts: TrainHeadOptions, n_seqs: int, suffix: str = "") -> Path:
+    """Where the target features of a data set are cached (EAGLE and DART share them)."""
+    tag = f"{opts.data}{'-code' if opts.code_only else ''}-{PROMPT_SKIP}-{opts.max_tokens}-{n_seqs}{suffix}"
+    return work_dir(model) / f"eagle-features-{tag}.pt"
+
+
 @dataclass
 class FlatExamples:
     feats: torch.Tensor  # [N, F] every kept position's features
@@ -145,8 +151,7 @@ def train_eagle(engine: LLMEngine, opts: TrainHeadOptions, out_path: Path, resum
     n_seqs = len(split.train) + len(split.held_out)
     cfg = engine.model_config
     layers = default_feature_layers(cfg.num_layers)
-    tag = f"{opts.data}{'-code' if opts.code_only else ''}-{PROMPT_SKIP}-{opts.max_tokens}-{n_seqs}"
-    feats = cached(work_dir(engine.config.model) / f"eagle-features-{tag}.pt",
+    feats = cached(features_path(engine.config.model, opts, n_seqs),
                    lambda: target_features(engine, split.train + split.held_out, layers, WINDOW, progress))
     depth = opts.num_heads
     train = _examples(split.train, feats[: len(split.train)], WINDOW)

@@ -3,7 +3,8 @@ draft's own probabilities.
 
 The engine hands over, per emitted token, the target's hidden state at the row that chose it. From them the
 draft scores continuations; the tree keeps the `k` most probable nodes (a node's score is the product of the
-draft's probabilities along its path, which never exceeds its parent's, so the best k always form a tree).
+draft's probabilities along its path, times DART's n-gram term where it applies: never above its parent's, so the
+best k always form a tree).
 This is EAGLE-2's dynamic tree with the draft's confidence standing in for acceptance:
 - depth by depth, the `beam` best nodes of the depth are expanded into their `branch` most probable children
   (Medusa's children are the same for every parent at a depth; Hydra's and EAGLE's depend on the path);

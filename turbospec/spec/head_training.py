@@ -76,6 +76,8 @@ class TrainHeadOptions:
         if self.data == "conversations" and self.method not in FEATURE_METHODS:
             raise ValueError(f"--data conversations trains --method eagle or dart only (the {self.method} heads "
                              "learn from the target's own answers): use --data answers")
+        if self.train_sequences < 0:
+            raise ValueError(f"--train-sequences must be >= 0 (0: all), got {self.train_sequences}")
         if self.train_sequences and self.method != "dart":
             raise ValueError("--train-sequences applies to --method dart only")
         if self.code_only and self.data != "conversations":
