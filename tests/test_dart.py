@@ -127,10 +127,10 @@ def test_proposer_prefers_the_path_the_ngram_knows(plain, tmp_path):
     assert counted == len(ids) and pairs == Counter(zip(ids[:-1], ids[1:]))
     req.output_token_ids.extend([first, second, first])  # three more tokens: only the three new pairs are added
     ids = list(req.all_token_ids)
-    assert proposer._count_context(req)[0] == Counter(zip(ids[:-1], ids[1:]))
+    assert proposer._count_context(req) == Counter(zip(ids[:-1], ids[1:]))
     del req.output_token_ids[-3:]  # taken back without a rollback notice: counted afresh
     ids = list(req.all_token_ids)
-    assert proposer._count_context(req)[0] == Counter(zip(ids[:-1], ids[1:])) and proposer.position_top == {}
+    assert proposer._count_context(req) == Counter(zip(ids[:-1], ids[1:])) and proposer.position_top == {}
     with pytest.raises(ValueError, match="grows trees 1 to 2 deep, not 3"):
         DartProposer(dart, depth=3)
     engine.abort_request(rid)
@@ -163,8 +163,10 @@ def test_committed_dart_is_exact_and_accepted(plain):
     got = [o.outputs[0].token_ids for o in llm.generate(SPEC_PROMPTS, greedy, use_tqdm=False)]
     assert got == want
     stats = llm.spec_stats()
-    # trained: the masked positions are accepted too, not only the first (which the base EAGLE layer gives)
-    assert stats["mean_accepted_length"] >= 1.5 and stats["num_accepted_tokens_per_pos"][1] > 0, stats
+    # trained: the masked positions are accepted too, not only the first (which the base EAGLE layer gives); at
+    # commit time 0.53 / 0.25 / 0.14 here (float32, 2 threads, 64 tokens). A mask trained one position early
+    # would repeat the first token's guess and be accepted at the second position hardly ever
+    assert stats["mean_accepted_length"] >= 1.5 and stats["acceptance_by_position"][1] >= 0.15, stats
     assert llm.engine.blocks.num_free_blocks == llm.engine.kv.num_blocks
 
 
@@ -182,3 +184,31 @@ def test_cli_train_head_dart_flags(flags, message, tmp_path):
                           "--max-tokens", "4", "--out", str(tmp_path / "x.safetensors"), *flags],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and message in run.stderr, run.stderr
+
+
+def test_each_pass_position_is_trained_on_the_targets_choice_that_many_positions_ahead():
+    """The label arithmetic, without a model: a stand-in draft whose output j is one-hot at the target's choice
+    t + 1 + j scores every hit; labels past a sequence's end are ignored."""
+    from types import SimpleNamespace
+
+    from turbospec.spec.dart_training import _batch_loss
+    from turbospec.spec.eagle_training import FlatExamples
+    from turbospec.spec.head_training import vocab_remap
+
+    choice = torch.tensor([7, 3, 9, 1, 4, 8, 2, 6, 0, 5, 3, 1])  # two sequences: positions 0-5 and 6-11
+    seq_end = torch.tensor([6] * 6 + [12] * 6)
+    flat = FlatExamples(torch.arange(12.0)[:, None], torch.zeros(12, dtype=torch.long), choice, [], seq_end)
+    depth = 3
+
+    def draft(states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        t = states[:, -1, 0].long()  # the stand-in features carry their own position
+        ahead = (t[:, None] + 1 + torch.arange(depth)[None]).clamp(max=11)
+        return torch.nn.functional.one_hot(choice[ahead], 10).float() * 20
+
+    dart = type("Stand", (), {"config": SimpleNamespace(depth=depth), "__call__": lambda self, s, k: draft(s, k),
+                              "base": SimpleNamespace(fuse=lambda f: f, logits=lambda out: out)})()
+    batch = [(1, 0), (2, 0), (7, 6)]  # ends: position 1 has 3 labels, 2 has 3 (5 is the last), 7 has 3
+    losses, hits = _batch_loss(dart, flat, batch, 2, vocab_remap(torch.arange(10), 10))
+    assert hits.tolist() == [3, 3, 3] and float(losses.max()) < 1e-3
+    late = [(4, 0)]  # positions 5, 6, 7 ahead: only 5 is in its sequence
+    assert _batch_loss(dart, flat, late, 2, vocab_remap(torch.arange(10), 10))[1].tolist() == [1, 0, 0]

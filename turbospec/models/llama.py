@@ -135,8 +135,13 @@ class CausalLM(nn.Module):
             self.captured = torch.cat(kept, dim=-1) if kept else None
         return self.norm(x)
 
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The LM head's weight: the input embedding when the two are tied."""
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor, invariant: bool = False) -> torch.Tensor:
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.lm_head_weight
         logits = packed_linear(hidden, weight, None, self.lm_head_packed, invariant)
         return (row_linear(hidden, weight, invariant=invariant) if logits is None else logits).float()
 

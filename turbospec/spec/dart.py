@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from .eagle import EagleDraft
+from .eagle import EagleDraft, window_mask
 from .heads import read_head_file, save_head_file
 
 ADAPTED = ("qkv", "o", "gate_up", "down")  # the layer's matrices that get a low-rank delta
@@ -90,11 +90,8 @@ class DartDraft(nn.Module):
         """states [B, W, H] (fused features), tokens [B, W] -> outputs [B, depth, H]: the last entry's and the
         masks'. valid [B, W] marks real entries (rows are right-aligned; padding on the left)."""
         b, w, _ = states.shape
-        n = w + self.config.depth - 1
-        mask = torch.ones(n, n, dtype=torch.bool).tril()[None].expand(b, -1, -1)
-        if valid is not None:
-            keys = torch.cat([valid, torch.ones(b, self.config.depth - 1, dtype=torch.bool)], dim=1)
-            mask = (mask & keys[:, None, :]) | torch.eye(n, dtype=torch.bool)[None]
+        real = torch.ones(b, w, dtype=torch.bool) if valid is None else valid
+        mask = window_mask(torch.cat([real, torch.ones(b, self.config.depth - 1, dtype=torch.bool)], dim=1))
         masks = self.mask[None].expand(b, -1, -1)
         if self.merged:
             out, _ = self.base(states, tokens, mask, appended=masks)

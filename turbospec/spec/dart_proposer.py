@@ -31,8 +31,7 @@ class DartProposer(EagleProposer):
         self.dart = draft
         self.candidates = max(candidates, branch)
         self.ngram_weight = ngram_weight
-        self.ngram = NgramScorer({k: v for k, v in draft.state_dict().items() if k.startswith("ngram_")},
-                                 len(draft.vocab))
+        self.ngram = NgramScorer(dict(draft.named_buffers()), len(draft.vocab))  # its only buffers: the table
         # request -> (pair counts, previous-token counts, tokens counted) of its own tokens
         self.context: dict[str, tuple[Counter[tuple[int, int]], Counter[int], int]] = {}
         self.position_top: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # request index -> (log p, ids) [d, c]
@@ -41,7 +40,8 @@ class DartProposer(EagleProposer):
         super().free(request_id)
         self.context.pop(request_id, None)
 
-    def _count_context(self, req: Request) -> tuple[Counter[tuple[int, int]], Counter[int]]:
+    def _count_context(self, req: Request) -> Counter[tuple[int, int]]:
+        """Add the request's pairs not counted yet; its pair counts."""
         pairs, totals, counted = self.context.get(req.request_id, (Counter(), Counter(), 0))
         ids = req.all_token_ids
         if counted > len(ids):  # tokens were taken back without a rollback notice: count afresh
@@ -50,7 +50,7 @@ class DartProposer(EagleProposer):
             pairs[(p, c)] += 1
             totals[p] += 1
         self.context[req.request_id] = (pairs, totals, len(ids))
-        return pairs, totals
+        return pairs
 
     def _draft_positions(self, requests: list[Request], live: list[int]) -> None:
         """One draft pass for these requests: the best `candidates` tokens at every position ahead."""
@@ -68,11 +68,13 @@ class DartProposer(EagleProposer):
     def _expand(self, requests: list[Request], rows: Rows, trees: dict[int, list[_Node]], depth: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if depth == 0:  # the root level: every live request's tree starts here
-            self._draft_positions(requests, sorted({i for i, _ in rows}))
+            live = sorted({i for i, _ in rows})
+            self._draft_positions(requests, live)
+            for i in live:
+                self._count_context(requests[i])
         lps, toks = [], []
         for i, n in rows:
-            pairs, totals = self._count_context(requests[i]) if depth == 0 else self.context[
-                requests[i].request_id][:2]
+            pairs, totals, _ = self.context[requests[i].request_id]
             prev = requests[i].all_token_ids[-1] if n < 0 else trees[i][n].token
             cand_lp, cand_tok = self.position_top[i][0][depth], self.position_top[i][1][depth]
             bonus = torch.tensor([self.ngram.log_prob(prev, t, pairs, totals) for t in cand_tok.tolist()])

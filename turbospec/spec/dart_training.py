@@ -20,18 +20,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from .dart import DartConfig, DartDraft, file_sha256, ngram_table
 from .eagle import EagleDraft
-from .eagle_training import WINDOW, FlatExamples, _examples, features_path, target_features
+from .eagle_training import WINDOW, FlatExamples, _examples, features_path, position_loss, target_features
 from .head_training import (
-    IGNORE,
     TrainHeadOptions,
     cached,
     data_description,
     split_answers,
     train_loop,
+    vocab_remap,
     work_dir,
 )
 
@@ -58,15 +57,7 @@ def _batch_loss(dart: DartDraft, flat: FlatExamples, batch: list[tuple[int, int]
     with torch.no_grad():
         states = dart.base.fuse(flat.feats[idx].float())
     logits = dart.base.logits(dart(states, flat.next_tok[idx]))  # [B, depth, Vd]
-    losses, hits = [], []
-    last = len(flat.choice) - 1
-    for j in range(dart.config.depth):
-        target_pos = t + 1 + j
-        label = remap[flat.choice[target_pos.clamp(max=last)]]
-        label = torch.where((target_pos < flat.seq_end[t]) & (label >= 0), label, torch.full_like(label, IGNORE))
-        losses.append(F.cross_entropy(logits[:, j], label, ignore_index=IGNORE, reduction="sum"))
-        with torch.no_grad():
-            hits.append(((logits[:, j].argmax(-1) == label) & (label != IGNORE)).sum())
+    losses, hits = zip(*(position_loss(logits[:, j], flat, t, 1 + j, remap) for j in range(dart.config.depth)))
     return torch.stack(losses), torch.stack(hits)
 
 
@@ -89,8 +80,7 @@ def train_dart(engine: LLMEngine, opts: TrainHeadOptions, out_path: Path, base_p
     if base.config.hidden_size != cfg.hidden_size or base.config.vocab_size != cfg.vocab_size:
         raise ValueError(f"{base_path} was trained for another model ({base.config.model})")
     model = engine.loaded.model
-    lm_weight = model.embed.weight if model.lm_head is None else model.lm_head.weight
-    base.attach(lm_weight.float(), model.embed.weight.float())
+    base.attach(model.lm_head_weight.float(), model.embed.weight.float())
 
     split = split_answers(engine, opts, progress)
     n_seqs = len(split.train) + len(split.held_out)
@@ -102,8 +92,7 @@ def train_dart(engine: LLMEngine, opts: TrainHeadOptions, out_path: Path, base_p
                    lambda: target_features(engine, train_seqs + split.held_out, layers, WINDOW, progress))
     train = _examples(train_seqs, feats[: len(train_seqs)], WINDOW)
     held_out = _examples(split.held_out, feats[-len(split.held_out):], WINDOW)
-    remap = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
-    remap[base.vocab] = torch.arange(len(base.vocab))
+    remap = vocab_remap(base.vocab, cfg.vocab_size)
 
     base_name = base_path.name if base_path.parent.resolve() == out_path.parent.resolve() else str(base_path.resolve())
     config = DartConfig(base_name, file_sha256(base_path), opts.num_heads, LORA_RANK, engine.config.model,

@@ -132,7 +132,7 @@ class DraftVocabulary:
 
     @classmethod
     def for_model(cls, model: CausalLM, tokenizer: Tokenizer, size: int) -> DraftVocabulary:
-        weight = model.embed.weight if model.lm_head is None else model.lm_head.weight
+        weight = model.lm_head_weight
         vocab = cls(frequent_tokens(tokenizer, weight.shape[0], size), weight, model.lm_head_packed)
         log.info("draft vocabulary: %d of %d tokens (+ each request's own), head %s", len(vocab.head.ids),
                  weight.shape[0], "packed" if vocab.head.packed is not None else "dense")

@@ -51,6 +51,13 @@ def default_feature_layers(num_layers: int) -> list[int]:
     return [max(0, num_layers // 4 - 1), num_layers // 2 - 1]
 
 
+def window_mask(valid: torch.Tensor) -> torch.Tensor:
+    """valid [B, T] (False: left padding) -> causal attention mask [B, T, T] over real entries; a padded query
+    sees itself (its row is never read), so no softmax row is empty."""
+    t = valid.shape[1]
+    return (torch.ones(t, t, dtype=torch.bool).tril()[None] & valid[:, None, :]) | torch.eye(t, dtype=torch.bool)[None]
+
+
 def _rms(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
 

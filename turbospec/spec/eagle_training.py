@@ -33,6 +33,7 @@ from .head_training import (
     data_description,
     split_answers,
     train_loop,
+    vocab_remap,
     work_dir,
 )
 
@@ -108,15 +109,26 @@ def choice_vocabulary(flat: FlatExamples, size: int, vocab_size: int) -> tuple[t
     labels = flat.choice[(t + 1).clamp(max=len(flat.choice) - 1)]
     counts = torch.bincount(labels, minlength=vocab_size)
     vocab = torch.sort(torch.topk(counts, min(size, int((counts > 0).sum()))).indices).values
-    remap = torch.full((vocab_size,), -1, dtype=torch.long)
-    remap[vocab] = torch.arange(len(vocab))
-    return vocab, remap
+    return vocab, vocab_remap(vocab, vocab_size)
+
+
+def position_loss(logits: torch.Tensor, flat: FlatExamples, t: torch.Tensor, ahead: int, remap: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy and top-1 hits of logits [B, Vd] whose label is the target's choice at position
+    t + ahead (none past the sequence's end or outside the draft vocabulary)."""
+    pos = t + ahead
+    label = remap[flat.choice[pos.clamp(max=len(flat.choice) - 1)]]
+    label = torch.where((pos < flat.seq_end[t]) & (label >= 0), label, torch.full_like(label, IGNORE))
+    loss = F.cross_entropy(logits, label, ignore_index=IGNORE, reduction="sum")
+    with torch.no_grad():
+        hits = ((logits.argmax(-1) == label) & (label != IGNORE)).sum()
+    return loss, hits
 
 
 def _batch_loss(draft: EagleDraft, flat: FlatExamples, batch: list[tuple[int, int]], width: int, depth: int,
                 remap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Unrolled loss over `depth` draft steps for a batch of positions with windows of `width` entries."""
-    next_tok, seq_end = flat.next_tok, flat.seq_end
+    next_tok = flat.next_tok
     t = torch.tensor([b[0] for b in batch])
     idx = t[:, None] - torch.arange(width - 1, -1, -1)[None]  # [B, width] window positions, oldest first
     states = draft.fuse(flat.feats[idx].float())
@@ -127,18 +139,13 @@ def _batch_loss(draft: EagleDraft, flat: FlatExamples, batch: list[tuple[int, in
     for step in range(depth):
         outs, past = draft(states, tokens, mask, past)
         out = outs[:, -1]
-        target_pos = t + 1 + step  # the label: the target's choice at position t + 1 + step
-        ok = target_pos < seq_end[t]
-        label = remap[flat.choice[target_pos.clamp(max=len(next_tok) - 1)]]
-        label = torch.where(ok & (label >= 0), label, torch.full_like(label, IGNORE))
-        logits = draft.logits(out)
-        losses.append(F.cross_entropy(logits, label, ignore_index=IGNORE, reduction="sum"))
-        with torch.no_grad():
-            hits.append(((logits.argmax(-1) == label) & (label != IGNORE)).sum())
+        loss, hit = position_loss(draft.logits(out), flat, t, 1 + step, remap)
+        losses.append(loss)
+        hits.append(hit)
         # the next entry: the draft's own output with the true token (teacher forcing on tokens), which sees
         # every entry before it
         states = out[:, None]
-        tokens = next_tok[target_pos.clamp(max=len(next_tok) - 1)][:, None]
+        tokens = next_tok[(t + 1 + step).clamp(max=len(next_tok) - 1)][:, None]
         mask = torch.ones(len(batch), 1, width + step + 1, dtype=torch.bool)
     return torch.stack(losses), torch.stack(hits)
 
@@ -162,8 +169,7 @@ def train_eagle(engine: LLMEngine, opts: TrainHeadOptions, out_path: Path, resum
     config = EagleConfig(h, layers, max(16, h // 4), 256, 512, WINDOW, depth, engine.config.model, cfg.vocab_size)
     model = engine.loaded.model
     draft = EagleDraft(config, vocab)
-    lm_weight = model.embed.weight if model.lm_head is None else model.lm_head.weight
-    draft.attach(lm_weight.float(), model.embed.weight.float())
+    draft.attach(model.lm_head_weight.float(), model.embed.weight.float())
     widths = random.Random(opts.seed)
 
     def loss_of(batch: list[int], step: int) -> torch.Tensor:

@@ -78,13 +78,12 @@ def _head_proposer(spec: SpeculativeConfig, engine: LLMEngine) -> TreeDrafter:
     if model_name != engine.config.model:
         log.warning("heads in %s were trained for %s, not %s: drafts may be poor (output stays exact)", path,
                     model_name, engine.config.model)
-    num_heads = config.get("depth") if spec.method == "dart" else config.get("num_heads")
-    if spec.method != "eagle" and spec.tree_depth is not None and spec.tree_depth > num_heads:  # type: ignore[operator]
-        raise ValueError(f"tree_depth {spec.tree_depth} is deeper than the {num_heads} "
-                         f"{'positions' if spec.method == 'dart' else 'heads'} in {path} (each drafts one level): "
-                         f"use at most {num_heads}, or null")
+    num_heads = config.get("num_heads")
+    if spec.method in ("medusa", "hydra") and spec.tree_depth is not None and spec.tree_depth > num_heads:  # type: ignore[operator]
+        raise ValueError(f"tree_depth {spec.tree_depth} is deeper than the {num_heads} heads in {path} (each head "
+                         f"drafts one level): use at most {num_heads}, or null")
     model = engine.loaded.model
-    lm_weight = model.embed.weight if model.lm_head is None else model.lm_head.weight
+    lm_weight = model.lm_head_weight
     if spec.method == "dart":
         dart, _ = DartDraft.load(path, engine.dtype)
         dart.base.attach(lm_weight, model.embed.weight, model.lm_head_packed)

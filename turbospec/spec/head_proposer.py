@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..request import Request
-from .eagle import EagleDraft
+from .eagle import EagleDraft, window_mask
 from .heads import DraftHeads
 from .proposer import Draft, Proposer
 from .tree import TokenTree, accepts_trees
@@ -197,8 +197,5 @@ class EagleProposer(TreeDrafter):
                 n = trees[i][n].parent
             seqs.append(list(self.window[requests[i].request_id]) + path[::-1])
         states, tokens, valid = self._batch(seqs)
-        length = states.shape[1]
-        mask = torch.ones(length, length, dtype=torch.bool).tril()[None] & valid[:, None, :]
-        mask |= torch.eye(length, dtype=torch.bool)[None]  # padded queries see themselves (their rows are unused)
-        out = self.draft(states, tokens, mask)[0][:, -1]
+        out = self.draft(states, tokens, window_mask(valid))[0][:, -1]
         return (*self._top(self.draft.logits(out), self.draft.vocab), out)

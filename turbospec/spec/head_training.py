@@ -238,9 +238,14 @@ def split_answers(engine: LLMEngine, opts: TrainHeadOptions, progress: bool) -> 
     held = max(1, len(order) // 50)
     train = [sequences[i] for i in order[held:]]
     vocab = draft_vocabulary(train, opts.draft_vocab)
-    remap = torch.full((engine.model_config.vocab_size,), -1, dtype=torch.long)
+    return Split(train, [sequences[i] for i in order[:held]], vocab, vocab_remap(vocab, engine.model_config.vocab_size))
+
+
+def vocab_remap(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[V]: each target token's index in the draft vocabulary, -1 outside it (the labels' mapping)."""
+    remap = torch.full((vocab_size,), -1, dtype=torch.long)
     remap[vocab] = torch.arange(len(vocab))
-    return Split(train, [sequences[i] for i in order[:held]], vocab, remap)
+    return remap
 
 
 def cached(path: Path, compute: Callable[[], Any]) -> Any:
@@ -314,8 +319,7 @@ def train_heads(engine: LLMEngine, opts: TrainHeadOptions, out_path: Path, resum
                         engine.config.model, cfg.vocab_size)
     model = engine.loaded.model
     heads = DraftHeads(config, split.vocab)
-    lm_weight = model.embed.weight if model.lm_head is None else model.lm_head.weight
-    heads.attach(lm_weight.float(), model.embed.weight.float())  # trained in float32
+    heads.attach(model.lm_head_weight.float(), model.embed.weight.float())  # trained in float32
 
     def loss_of(batch: list[int], step: int) -> torch.Tensor:
         idx = torch.tensor(batch)
