@@ -163,10 +163,11 @@ def test_committed_dart_is_exact_and_accepted(plain):
     got = [o.outputs[0].token_ids for o in llm.generate(SPEC_PROMPTS, greedy, use_tqdm=False)]
     assert got == want
     stats = llm.spec_stats()
-    # trained: the masked positions are accepted too, not only the first (which the base EAGLE layer gives); at
-    # commit time 0.53 / 0.25 / 0.14 here (float32, 2 threads, 64 tokens). A mask trained one position early
-    # would repeat the first token's guess and be accepted at the second position hardly ever
-    assert stats["mean_accepted_length"] >= 1.5 and stats["acceptance_by_position"][1] >= 0.15, stats
+    # the trained masks add acceptance past the first position: 0.52 / 0.25 / 0.14 here when committed, against
+    # 0.54 / 0.17 / 0.20 with the mask offsets zeroed (every mask then starts from the last entry, as the first
+    # position does; the n-gram search alone still finds some second tokens). The label arithmetic itself is
+    # tested exactly below
+    assert stats["mean_accepted_length"] >= 1.5 and stats["acceptance_by_position"][1] >= 0.2, stats
     assert llm.engine.blocks.num_free_blocks == llm.engine.kv.num_blocks
 
 

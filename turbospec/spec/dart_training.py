@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from ..engine import LLMEngine
 
 LORA_RANK = 32
+SPLIT_OPTIONS = ("data", "code_only", "num_prompts", "max_tokens", "seed")  # these make the sequences and split
 log = logging.getLogger(__name__)
 
 
@@ -69,13 +70,11 @@ def train_dart(engine: LLMEngine, opts: TrainHeadOptions, out_path: Path, base_p
         raise ValueError(f"DART adapts a trained EAGLE draft and {base_path} is missing: train one first "
                          f"(`turbospec train-head --model {engine.config.model} --method eagle`) or give --base")
     base, base_report = EagleDraft.load(base_path)
-    base_opts = base_report.get("options") or {}
-    same_split = all(base_opts.get(k) == v for k, v in asdict(opts).items()  # type: ignore[union-attr]
-                     if k in ("data", "code_only", "num_prompts", "max_tokens", "seed"))
+    base_split = {k: (base_report.get("options") or {}).get(k) for k in SPLIT_OPTIONS}  # type: ignore[union-attr]
+    same_split = base_split == {k: getattr(opts, k) for k in SPLIT_OPTIONS}
     if not same_split:
         log.warning("the base %s was trained with other data options (%s): its training sequences may include "
-                    "this run's held-out ones, so held-out accuracy may read high", base_path,
-                    {k: base_opts.get(k) for k in ("data", "code_only", "num_prompts", "max_tokens", "seed")})
+                    "this run's held-out ones, so held-out accuracy may read high", base_path, base_split)
     cfg = engine.model_config
     if base.config.hidden_size != cfg.hidden_size or base.config.vocab_size != cfg.vocab_size:
         raise ValueError(f"{base_path} was trained for another model ({base.config.model})")
