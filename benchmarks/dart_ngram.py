@@ -4,7 +4,9 @@ The DART proposer (turbospec/spec/dart_proposer.py) scores a tree node by the dr
 position plus `ngram_weight` x the n-gram log-probability of its token after its parent's. Weight 0 is the draft
 alone. One engine, float32 (so every variant's output is plain decoding's, token for token), greedy, 8-node trees,
 the first N MT-Bench first turns and HumanEval tasks (as benchmarks/proposer_zoo.py builds them); the weight is
-changed between passes over the same prompts. tau (tokens per verification) does not depend on the machine's
+changed between passes over the same prompts. A last pass at the default weight zeroes the mask entries' learned
+offsets (every mask then starts from the last entry's input, as the first position does): what the trained masks
+add over the n-gram search alone. tau (tokens per verification) does not depend on the machine's
 speed; tokens/s is given too, but the passes run one after another, so read it with the machine's drift in mind.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/dart_ngram.py [--model smollm2-135m --prompts 6]
@@ -21,6 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import torch  # noqa: E402
 from proposer_zoo import datasets  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -47,9 +50,14 @@ def main() -> None:
                                                                    use_tqdm=False)]
             for name, prompts in data.items()}
     rows: list[dict[str, Any]] = []
-    for weight in (float(w) for w in args.weights.split(",")):
-        llm.engine.proposer.ngram_weight = weight
-        row: dict[str, Any] = {"ngram_weight": weight, "sets": {}}
+    proposer = llm.engine.proposer
+    variants = [(float(w), False) for w in args.weights.split(",")] + [(proposer.ngram_weight, True)]
+    for weight, zero_masks in variants:
+        proposer.ngram_weight = weight
+        if zero_masks:
+            with torch.no_grad():
+                proposer.dart.mask.zero_()
+        row: dict[str, Any] = {"ngram_weight": weight, "zero_masks": zero_masks, "sets": {}}
         for name, prompts in data.items():
             llm.engine.reset_spec_stats()
             outputs, start = [], time.perf_counter()
@@ -77,7 +85,8 @@ def main() -> None:
             cells += [f"{s['tau']:.2f}", " / ".join(f"{a:.2f}" for a in s["acceptance_by_position"][:4]),
                       f"{s['tok_s']:.1f}"]
         same = all(s["equals_plain"] for s in row["sets"].values())
-        lines.append(f"| {row['ngram_weight']} | {' | '.join(cells)} | {'yes' if same else 'no'} |")
+        label = f"{row['ngram_weight']}{', mask offsets zeroed' if row['zero_masks'] else ''}"
+        lines.append(f"| {label} | {' | '.join(cells)} | {'yes' if same else 'no'} |")
     save_results(Path(args.out), meta, rows, "\n".join(lines) + "\n")
 
 
