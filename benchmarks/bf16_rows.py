@@ -1,13 +1,15 @@
 """Our bf16 matmul (turbospec/kernels/bf16_rows.cpp) against torch's, first alone on qwen2.5-coder-1.5b's shapes,
 then in the engine: the same model with it and without it (TURBOSPEC_NO_BF16_ROWS=1), each mode in its own
-process (the switch is read once per process), the modes alternating round by round.
+process (the switch is read once per process), the modes alternating round by round. On a CPU with AVX512_BF16 a
+third mode runs our AVX2 path instead of the `vdpbf16ps` one (TURBOSPEC_NO_DPBF16=1), and the operator table gets
+its column too.
 
 Per mode and HumanEval prompt (chat template, prompt pre-filled in a code fence, greedy): the prefill (ms, a
 one-token generation), then plain decoding and our EAGLE head at fixed tree sizes, in turn (tok/s including
 prefill, as benchmarks/proposer_zoo.py counts them), and, with our kernel only, the goodput controller choosing
 the tree size (without it the controller's first profile alone takes ~10 minutes of slow bf16 prefills).
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/bf16_rows.py [--prompts 3 --tokens 96 --rounds 1]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bf16_rows.py [--prompts 3 --tokens 96 --rounds 1 --out ...]
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ ROWS = (1, 2, 4, 5, 9, 16, 64, 256)
 TREES = (4, 8)  # EAGLE tree nodes in the fixed rows
 
 
-def operator_rows() -> list[dict[str, Any]]:
+def operator_rows(dpbf16: bool) -> list[dict[str, Any]]:
     """ours vs torch per shape and row count: the fastest of several calls, taking turns."""
     from turbospec import kernels
     from turbospec.models.crossover import best_ms
@@ -45,9 +47,14 @@ def operator_rows() -> list[dict[str, Any]]:
             if n * m > 151936 * 16:  # the head at prefill sizes: seconds per call, not a call the engine makes
                 continue
             x = torch.randn(m, k, generator=gen).bfloat16()
-            ours, theirs = best_ms((lambda: kernels.bf16_rows_mm(x, w), lambda: F.linear(x, w)), 3)
-            rows.append({"shape": f"{n}x{k}", "rows": m, "ours_ms": ours, "torch_ms": theirs})
-            print(f"{n}x{k} rows {m}: ours {ours:.2f} ms, torch {theirs:.2f} ms", flush=True)
+            fns = [lambda: kernels.bf16_rows_mm(x, w), lambda: F.linear(x, w)]
+            if dpbf16:
+                fns.append(lambda: kernels.bf16_rows_mm(x, w, widened=True))
+            ours, theirs, *avx2 = best_ms(tuple(fns), 3)
+            rows.append({"shape": f"{n}x{k}", "rows": m, "ours_ms": ours, "torch_ms": theirs,
+                         **({"ours_avx2_ms": avx2[0]} if avx2 else {})})
+            print(f"{n}x{k} rows {m}: ours {ours:.2f} ms, torch {theirs:.2f} ms"
+                  + (f", our AVX2 path {avx2[0]:.2f} ms" if avx2 else ""), flush=True)
     return rows
 
 
@@ -57,22 +64,24 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     from turbospec.bench.humaneval import answer_prefix, chat_messages, load_humaneval
 
     ours = os.environ.get("TURBOSPEC_NO_BF16_ROWS") != "1"
+    mode = "torch" if not ours else "ours (AVX2 path)" if os.environ.get("TURBOSPEC_NO_DPBF16") else "ours"
     llm = LLM(MODEL, dtype="bfloat16", weight_format="bf16", num_threads=args.threads, max_model_len=1024,
               progress=False, enable_prefix_caching=False,
               speculative_config={"method": "eagle", "num_speculative_tokens": max(TREES)})
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template(chat_messages(t)) + tok.encode(answer_prefix(t), add_special_tokens=False)
                for t in load_humaneval(args.prompts)]
-    variants: list[int | str] = [0, *TREES] + (["auto"] if ours else [])
+    # the controller on the default path only: another path needs a step-time profile of its own (minutes)
+    variants: list[int | str] = [0, *TREES] + (["auto"] if mode == "ours" else [])
     engine = llm.engine
     engine.set_speculation(0)
     llm.generate({"prompt_token_ids": prompts[0][:16]}, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
-    if ours:  # the controller's step-time profile (cached per machine) before anything is timed
+    if mode == "ours":  # the controller's step-time profile (cached per machine) before anything is timed
         engine.set_speculation("auto")
         llm.generate({"prompt_token_ids": prompts[0][:16]}, SamplingParams(temperature=0, max_tokens=4),
                      use_tqdm=False)
     params = SamplingParams(temperature=0, max_tokens=args.tokens)
-    result: dict[str, Any] = {"mode": "ours" if ours else "torch", "prefill_ms": [], "prompt_tokens": [],
+    result: dict[str, Any] = {"mode": mode, "prefill_ms": [], "prompt_tokens": [],
                               "variants": {str(v): {"tokens": 0, "seconds": 0.0, "accepted": 0.0, "outputs": []}
                                            for v in variants}}
     for i, ids in enumerate(prompts):
@@ -107,8 +116,13 @@ def markdown(meta: dict[str, Any], ops: list[dict[str, Any]], runs: list[dict[st
     for shape in dict.fromkeys(r["shape"] for r in ops):
         cells = {r["rows"]: r for r in ops if r["shape"] == shape}
         lines.append(f"| {shape} | " + " | ".join(
-            f"{cells[m]['ours_ms']:.2f} vs {cells[m]['torch_ms']:.2f}" if m in cells else "-" for m in ROWS) + " |")
-    lines += ["", "(ours vs torch)", "", f"## The engine: {MODEL}, bf16, HumanEval, greedy, batch 1, at most "
+            f"{cells[m]['ours_ms']:.2f} vs {cells[m]['torch_ms']:.2f}"
+        + (f" ({cells[m]['ours_avx2_ms']:.2f})" if "ours_avx2_ms" in cells[m] else "") if m in cells else "-"
+        for m in ROWS) + " |")
+    avx2 = any("ours_avx2_ms" in r for r in ops)
+    lines += ["", "(ours vs torch" + (", and in brackets our AVX2 path: this CPU has AVX512_BF16, so ours is the "
+              "`vdpbf16ps` path)" if avx2 else ")"), "",
+              f"## The engine: {MODEL}, bf16, HumanEval, greedy, batch 1, at most "
               f"{meta['tokens']} tokens, first {meta['prompts']} prompts", "",
               "| round | matmul | prefill ms (mean) | plain tok/s | " + " | ".join(
                   f"EAGLE {k} nodes tok/s (x plain, tau)" for k in TREES) + " | EAGLE auto tok/s (x plain, tau) |",
@@ -145,11 +159,18 @@ def main() -> None:
     from turbospec.bench.machine import benchmark_meta, save_results
 
     torch.set_num_threads(args.threads)
-    ops = operator_rows()
+    from turbospec import kernels
+
+    dpbf16 = kernels.bf16_rows_path() == "dpbf16"
+    ops = operator_rows(dpbf16)
     runs = []
     for round_ in range(args.rounds):
-        for mode in ("ours", "torch") if round_ % 2 == 0 else ("torch", "ours"):
+        modes = ("ours", "torch") + (("avx2",) if dpbf16 else ())
+        for mode in modes if round_ % 2 == 0 else modes[::-1]:
             env = {**os.environ, "TURBOSPEC_NO_BF16_ROWS": "1" if mode == "torch" else "0"}
+            env.pop("TURBOSPEC_NO_DPBF16", None)
+            if mode == "avx2":
+                env["TURBOSPEC_NO_DPBF16"] = "1"
             cmd = [sys.executable, __file__, "--worker", "--prompts", str(args.prompts), "--tokens", str(args.tokens),
                    "--threads", str(args.threads)]
             proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)

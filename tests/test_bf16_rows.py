@@ -14,6 +14,9 @@ from turbospec.models import layers
 pytestmark = pytest.mark.skipif(kernels.load() is None or not torch.ops.turbospec.bf16_rows_available(),
                                 reason="compiled kernels unavailable or no AVX2 + FMA")
 
+# the AVX2 path always; the AVX512_BF16 one (vdpbf16ps) as well where this CPU has it (widened=False takes it there)
+PATHS = [True] + ([False] if kernels.bf16_rows_path() == "dpbf16" else [])
+
 
 def _operands(rows: int, out_features: int, in_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
@@ -22,12 +25,13 @@ def _operands(rows: int, out_features: int, in_features: int, seed: int) -> tupl
     return x, w
 
 
+@pytest.mark.parametrize("widened", PATHS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 13, 25, 30])  # every tile shape, chunks of 24 crossed
-@pytest.mark.parametrize("shape", [(37, 40), (64, 576), (18, 1552)])  # outputs not in 4s, inputs not in 16s
-def test_products_are_the_exact_sums_rounded_once(rows, shape):
+@pytest.mark.parametrize("shape", [(37, 40), (64, 576), (18, 1552)])  # outputs not in 4s, inputs not in 16s / 32s
+def test_products_are_the_exact_sums_rounded_once(rows, shape, widened):
     x, w = _operands(rows, *shape, seed=rows)
     bias = torch.randn(shape[0]).bfloat16()
-    got = kernels.bf16_rows_mm(x, w, bias)
+    got = kernels.bf16_rows_mm(x, w, bias, widened=widened)
     exact = x.double() @ w.double().t() + bias.double()
     # float32 sums in another order than the exact one: off by at most K float32 roundings of the terms'
     # magnitude, then one bf16 rounding of the result
@@ -39,15 +43,16 @@ def test_products_are_the_exact_sums_rounded_once(rows, shape):
     assert torch.allclose(got.float(), F.linear(x, w, bias).float(), rtol=0.02, atol=1e-2)
 
 
-def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_threads():
+@pytest.mark.parametrize("widened", PATHS)
+def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_threads(widened):
     x, w = _operands(30, 100, 1552, seed=7)
-    alone = torch.cat([kernels.bf16_rows_mm(x[i:i + 1], w) for i in range(30)])
+    alone = torch.cat([kernels.bf16_rows_mm(x[i:i + 1], w, widened=widened) for i in range(30)])
     threads = torch.get_num_threads()
     try:
         for count in {1, max(threads, 2)}:
             torch.set_num_threads(count)
             for rows in (2, 5, 9, 24, 30):
-                assert torch.equal(kernels.bf16_rows_mm(x[:rows], w), alone[:rows])
+                assert torch.equal(kernels.bf16_rows_mm(x[:rows], w, widened=widened), alone[:rows])
     finally:
         torch.set_num_threads(threads)
 
@@ -112,6 +117,7 @@ def test_the_measured_limit_is_cached_per_machine(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "_bf16_limits", {})
     monkeypatch.setattr(kernels, "BF16_PROBE_SHAPES", ((64, 128),))
     monkeypatch.setattr(kernels, "BF16_PROBE_ROWS", (1, 2, 4))
+    monkeypatch.setattr(kernels, "BF16_PROBE_BYTES", 1 << 20)  # 64 copies streamed, not the 96 MB a machine gets
     limit = kernels.bf16_rows_limit()
     files = list((tmp_path / "kernels").glob("bf16-rows-*.json"))
     assert len(files) == 1 and limit in (0, 1, 2, 4, float("inf"))
@@ -145,3 +151,31 @@ def test_where_it_cannot_run_no_call_reaches_it(monkeypatch):
     x, w = _operands(3, 16, 32, seed=5)
     assert not kernels.bf16_rows_fits(x[:0], w) and not kernels.bf16_rows_fits(x, w)
     assert layers.row_linear(x[:0], w).shape == (0, 16)
+
+
+def test_the_limit_probe_streams_its_weights_at_verification_sizes(monkeypatch, tmp_path):
+    """Up to BF16_STREAMED_ROWS rows each timed call reads copies of the weight adding up to BF16_PROBE_BYTES (a
+    model's weights come from memory; one small probe weight stays in cache, where torch's product is at its best
+    and stopped ours at 8 rows on a Zen 4); prefill sizes time one copy."""
+    monkeypatch.setenv("TURBOSPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(kernels, "_bf16_limits", {})
+    monkeypatch.setattr(kernels, "BF16_PROBE_SHAPES", ((64, 128),))
+    monkeypatch.setattr(kernels, "BF16_PROBE_ROWS", (1, 2, 64))
+    monkeypatch.setattr(kernels, "BF16_STREAMED_ROWS", 2)
+    monkeypatch.setattr(kernels, "BF16_PROBE_BYTES", 4 * 64 * 128 * 2)  # four copies of the bf16 weight
+    weights: dict[int, set[int]] = {}
+    real = kernels.bf16_rows_mm
+
+    def counted(x, w, *args, **kwargs):
+        weights.setdefault(x.shape[0], set()).add(w.data_ptr())
+        return real(x, w, *args, **kwargs)
+
+    def ours_wins(fns, repeats):
+        for fn in fns:
+            fn()
+        return [0.0, 1.0]
+
+    monkeypatch.setattr(kernels, "bf16_rows_mm", counted)
+    monkeypatch.setattr("turbospec.models.crossover.best_ms", ours_wins)
+    assert kernels.bf16_rows_limit() == float("inf")
+    assert {rows: len(ptrs) for rows, ptrs in weights.items()} == {1: 4, 2: 4, 64: 1}

@@ -96,7 +96,7 @@ def profile_key(engine: LLMEngine) -> dict[str, str]:
         key["weights"] = weights.format + ":" + ",".join(f"{s}={r}" for s, r in sorted(weights.crossover.items()))
     bf16_rows = kernels.bf16_rows_limit() if engine.config.dtype in ("bfloat16", "bf16") else 0
     if bf16_rows:  # dense bf16 linears run our kernel here, up to these rows
-        key["bf16_rows"] = str(bf16_rows)
+        key["bf16_rows"] = str(bf16_rows) + kernels.bf16_rows_key_suffix()
     if bf16_rows or (weights is not None and weights.packed_linears):
         key["kernels"] = kernels.build_id()  # our kernels' version (or the int8 fallback) sets step times too
     if engine.config.tensor_parallel_size > 1:  # other processes, collectives in every layer

@@ -1,7 +1,8 @@
 """Our own compiled CPU kernels, built on first use with torch's extension builder: the grouped int8 matmul
 (AVX-512), the AMX products for grouped int4 / int8 weights (`amx_grouped.cpp`, used where the CPU has AMX),
-fused bf16 RMSNorm / rotary operators (`fused_ops.cpp`, used by models/layers.py) and a bf16 matmul for CPUs
-without bf16 arithmetic (`bf16_rows.cpp`, used by layers.row_linear where it measures faster than torch's).
+fused bf16 RMSNorm / rotary operators (`fused_ops.cpp`, used by models/layers.py) and a bf16 matmul that reads
+the weights once for a few rows (`bf16_rows.cpp`: AVX2, or AVX512_BF16's `vdpbf16ps` where the CPU has it; used by
+layers.row_linear where it measures faster than torch's).
 
 The build needs a C++ compiler and ninja; it is cached in `turbospec/kernels/_build`, and `make setup`
 runs it once (`python -m turbospec.kernels`). When it cannot be built (no compiler, another OS) or
@@ -141,6 +142,13 @@ _NO_FUSED = os.environ.get("TURBOSPEC_NO_FUSED") == "1"  # read once: the layers
 # MLP-down-sized linear of a ~1B model) at decode, verification and prefill row counts
 BF16_PROBE_SHAPES = ((2048, 1536), (1536, 4096))  # (out, in)
 BF16_PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
+# Up to this many rows a probe streams its weight from memory, as a model's decode and verification steps do:
+# each timed call runs the product over copies of the weight adding up to BF16_PROBE_BYTES, more than a CPU's
+# last-level cache. One 6 MB weight stays in cache, where torch's packed product is at its best: on an AMD EPYC
+# with AVX512_BF16 (2026-12-03) the cached probe stopped our kernel at 8 rows, while on the model's weights it was
+# ~2x faster than torch's from 4 to 17 rows (a 9-row verification then ran torch's).
+BF16_STREAMED_ROWS = 32
+BF16_PROBE_BYTES = 96 << 20
 _bf16_limits: dict[int, float] = {}  # torch threads -> rows limit, for this process
 
 
@@ -166,7 +174,7 @@ def _measure_bf16_limit(threads: int) -> float:
     from ..models.crossover import best_ms
     from ..models.registry import turbospec_home
 
-    key = f"{hardware_name('cpu')}|{threads}|{torch.__version__}|{build_id()}"
+    key = f"{hardware_name('cpu')}|{threads}|{torch.__version__}|{build_id()}{bf16_rows_key_suffix()}"
     path = turbospec_home() / "kernels" / f"bf16-rows-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
     try:
         return float(json.loads(path.read_text())["limit"])
@@ -176,11 +184,15 @@ def _measure_bf16_limit(threads: int) -> float:
     limit, timings = float("inf"), {}
     for out_features, in_features in BF16_PROBE_SHAPES:
         w = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+        copies = max(1, BF16_PROBE_BYTES // (w.numel() * w.element_size()))
+        streamed = [w] + [w.clone() for _ in range(copies - 1)]
         for i, rows in enumerate(BF16_PROBE_ROWS):
             if rows > limit:
                 break
             x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
-            ours, theirs = best_ms((lambda: bf16_rows_mm(x, w), lambda: torch.nn.functional.linear(x, w)), 5)
+            pool = streamed if rows <= BF16_STREAMED_ROWS else [w]  # (prefill sizes: compute-bound, one copy)
+            ours, theirs = best_ms((lambda: [bf16_rows_mm(x, v) for v in pool],
+                                    lambda: [torch.nn.functional.linear(x, v) for v in pool]), 5)
             timings[f"{out_features}x{in_features}:{rows}"] = [ours, theirs]
             if ours >= theirs:
                 limit = BF16_PROBE_ROWS[i - 1] if i else 0  # the last count it won at, on every shape so far
@@ -189,6 +201,19 @@ def _measure_bf16_limit(threads: int) -> float:
     log.info("bf16 linears of up to %s rows run our kernel (bf16_rows.cpp), measured faster than torch's",
              "any number of" if limit == float("inf") else f"{limit:g}")
     return limit
+
+
+def bf16_rows_path() -> str:
+    """Which path of `bf16_rows.cpp` this process runs: "dpbf16" (AVX512_BF16), "avx2", or "" (none)."""
+    if load() is None or not torch.ops.turbospec.bf16_rows_available():
+        return ""
+    return "dpbf16" if torch.ops.turbospec.bf16_rows_dpbf16() else "avx2"
+
+
+def bf16_rows_key_suffix() -> str:
+    """For the cache keys of what the kernel's speed decides (this limit, step-time profiles): the AVX512_BF16
+    path keys them apart (TURBOSPEC_NO_DPBF16 switches paths on one machine); AVX2 keys stay as they were."""
+    return "|dpbf16" if bf16_rows_path() == "dpbf16" else ""
 
 
 def _bf16_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -231,8 +256,11 @@ def _invariant_choice() -> bool:
 _invariant_cpu: bool | None = None
 
 
-def bf16_rows_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def bf16_rows_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 widened: bool = False) -> torch.Tensor:
     """bf16 x [..., K] @ weight [N, K]^T (+ bias), float32 sums rounded to bf16 once; each row's result does not
-    depend on the other rows of the call. Needs the compiled kernels on an AVX2 + FMA CPU."""
+    depend on the other rows of the call. Needs the compiled kernels on an AVX2 + FMA CPU. On a CPU with
+    AVX512_BF16 it runs `vdpbf16ps` (`bf16_rows_dpbf16()`), unless `widened` (the AVX2 path, for tests) or
+    TURBOSPEC_NO_DPBF16 is set (read once per process, for side-by-side measurements)."""
     flat = x.reshape(-1, x.shape[-1])
-    return torch.ops.turbospec.bf16_rows_mm(flat, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+    return torch.ops.turbospec.bf16_rows_mm(flat, weight, bias, widened).reshape(*x.shape[:-1], weight.shape[0])

@@ -3,7 +3,7 @@
 import logging
 import sys
 
-from . import _flags, amx_available, bf16_rows_limit, failure, load
+from . import _flags, amx_available, bf16_rows_limit, bf16_rows_path, failure, load
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 built = load(verbose="-v" in sys.argv) is not None
@@ -15,4 +15,6 @@ print("turbospec kernels: " + ("grouped int8 kernel built" + amx if built else f
 if built:  # measured here once for the default thread count (others measure on first use, about a second)
     limit = bf16_rows_limit()
     rows = "every row count" if limit == float("inf") else f"up to {limit:g} rows" if limit else "no row count"
-    print(f"turbospec kernels: our bf16 matmul (bf16_rows.cpp) runs bf16 linears for {rows} (measured against torch's)")
+    path = "AVX512_BF16" if bf16_rows_path() == "dpbf16" else "AVX2"
+    print(f"turbospec kernels: our bf16 matmul (bf16_rows.cpp, {path} path) runs bf16 linears for {rows} "
+          "(measured against torch's)")
