@@ -84,8 +84,9 @@ def test_a_models_greedy_tokens_and_logprobs_are_the_same_with_and_without_the_f
     tokens, logprobs = run()
     assert fused_tokens == tokens
     # a norm's last bit may differ (test above), and 30 layers on it may move a bf16 logit by one spacing: 0.25 for
-    # logits of 32 to 64 (seen on an AMD EPYC, portable loops: up to 0.25; on a Xeon with AVX-512 under 0.05)
-    tolerance = 0.05 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 0.3
+    # logits of 32 to 64. Seen: 0.25 on AMD EPYCs (Zen 2, portable loops; Zen 4, our bf16 kernel's AVX512_BF16
+    # path), under 0.05 on a Xeon with AMX: which logit's rounding flips is luck, so one spacing is the bound
+    tolerance = 0.3
     for fused_step, step in zip(fused_logprobs, logprobs):
         assert fused_step.keys() == step.keys()
         assert all(abs(fused_step[t].logprob - step[t].logprob) <= tolerance for t in step)
