@@ -200,9 +200,7 @@ def test_profiling_steps_stay_out_of_the_speculation_statistics():
 
 def test_the_profile_measures_the_ks_in_turn_after_an_unrecorded_round():
     """Every k once per round, so a machine drifting over a point's seconds moves all ks alike; the first round
-    unrecorded, since the first step at a new row count pays one-time costs. Measured k by k with those first steps
-    kept, a 9-row verification of the 1.5B target looked 24 ms dearer than a decode (served steps: 5 ms) and the
-    controller chose 2-node trees that ran 0.82x of 8-node ones."""
+    unrecorded, since the first step at a new row count pays one-time costs (docs/ARCHITECTURE.md, the profiler)."""
     from turbospec.control.profiler import ProfileGrid, profile_engine
 
     llm = _llm(speculative_config={"method": "ngram", "num_speculative_tokens": 4})

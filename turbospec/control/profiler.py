@@ -185,10 +185,9 @@ def profile_engine(engine: LLMEngine, grid: ProfileGrid, progress: bool = True, 
             while any(engine.requests[r].is_prefilling or engine.requests[r].num_computed_tokens == 0 for r in ids):
                 step()
             # the ks in turn, `repeats` rounds, so a machine drifting over the point's seconds moves every k alike
-            # rather than tilting the cost of k. A first round unrecorded: the first step at new row counts pays for
-            # shapes torch and our kernels meet for the first time. Recorded, k by k, a 9-row verification of
-            # qwen2.5-coder-1.5b looked 24 ms dearer than a decode (AMD EPYC Zen 4, 2 repeats) where served steps
-            # measured 5 ms, and the controller chose 2-node DART trees that ran 0.82x of 8-node ones
+            # rather than tilting the cost of k; a first round unrecorded: the first step at new row counts pays for
+            # shapes torch and our kernels meet for the first time (what measuring k by k cost the controller:
+            # docs/ARCHITECTURE.md, the profiler)
             for round_ in range(grid.repeats + 1):
                 for k in ks:
                     engine.set_speculation(k)

@@ -145,8 +145,9 @@ BF16_PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
 # Up to this many rows a probe streams its weight from memory, as a model's decode and verification steps do:
 # each timed call runs the product over copies of the weight adding up to BF16_PROBE_BYTES, more than a CPU's
 # last-level cache. One 6 MB weight stays in cache, where torch's packed product is at its best: on an AMD EPYC
-# with AVX512_BF16 (2026-12-03) the cached probe stopped our kernel at 8 rows, while on the model's weights it was
-# ~2x faster than torch's from 4 to 17 rows (a 9-row verification then ran torch's).
+# with AVX512_BF16 (2026-12-03) the cached probe stopped our kernel at 8 rows (ad hoc; streamed: 16-24), while on
+# the model's weights it was 2-3x faster than torch's from 4 to 16 rows (benchmarks/results/bf16_rows_avx512bf16.md),
+# so a 9-row verification ran torch's.
 BF16_STREAMED_ROWS = 32
 BF16_PROBE_BYTES = 96 << 20
 _bf16_limits: dict[int, float] = {}  # torch threads -> rows limit, for this process

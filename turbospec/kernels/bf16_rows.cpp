@@ -14,8 +14,8 @@
 // call or on the thread count.
 //
 // CPUs with AVX512_BF16 but no AMX (AMD Zen 4, 2026-12-03) take a second path: torch's bf16 product does not
-// stream the weights once for a few rows there either (in the engine, qwen2.5-coder-1.5b's linears took 170 ms for
-// a 9-row verification against 97 ms for one row with our AVX2 path). `vdpbf16ps` multiplies 32 bf16 weights by 32
+// stream the weights once for a few rows there either (17920x1536, qwen2.5-coder-1.5b's gate/up: 2.45 ms at 9 rows
+// against 0.73 for one row with this path; benchmarks/results/bf16_rows_avx512bf16.md). `vdpbf16ps` multiplies 32 bf16 weights by 32
 // bf16 inputs into 16 float32 sums in one instruction, so x stays bf16 (no widening) and a 4 x 6 tile of sums fits
 // in the 32 registers. Same guarantee: each output is summed over 32-input blocks in order (the tail masked into
 // the last block), then its 16 lanes reduced in a fixed order, whatever M, the tiling or the threads. The two
@@ -123,7 +123,8 @@ TURBOSPEC_AVX512BF16 void tile_dpbf16(const uint16_t* x, int64_t x_stride, const
     UNROLL for (int o = 0; o < OUTS; ++o) {
       wv[o] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + o * w_stride + k);
       // the next tile's weight rows (the same line of each): without it the loads and the sums took turns
-      // rather than overlapping (4 rows of 17920x1536 cost 1.6x one row; a prefetch past the end cannot fault)
+      // rather than overlapping (ad hoc, when it was written: 4 rows of 17920x1536 cost 1.6x one row, then 0.9x;
+      // a prefetch past the end cannot fault)
       _mm_prefetch(reinterpret_cast<const char*>(w + (o + OUTS) * w_stride + k), _MM_HINT_T0);
     }
     UNROLL for (int r = 0; r < ROWS; ++r) {
