@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..models.model_config import ModelConfig
@@ -24,9 +25,20 @@ class KVCache:
                  device: str | torch.device) -> KVCache:
         # Zeros, not empty: padded attention rows read slot 0, and masked garbage could be NaN (NaN * 0 = NaN).
         shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
-        layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                  for _ in range(cfg.num_layers)]
+        layers = [(zeroed(shape, dtype, device), zeroed(shape, dtype, device)) for _ in range(cfg.num_layers)]
         return cls(layers, num_blocks, block_size)
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """A zero tensor whose CPU memory is committed only where it is written. torch.zeros writes every byte, so
+    each engine held its whole KV budget (4 GiB by default) in RAM from the start: two test workers' engines
+    exhausted a 24 GiB machine (2026-12-03: 18 + 6 GB resident, a worker killed). numpy.zeros takes calloc's
+    zero pages, which the kernel maps on first write: a CPU engine's resident KV follows the slots it uses."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = torch.tensor([], dtype=dtype).element_size()
+    raw = np.zeros((*shape[:-1], shape[-1] * size), dtype=np.uint8)  # bytes: numpy has no bfloat16
+    return torch.from_numpy(raw).view(dtype)
 
 
 def copy_slots(layers: list[tuple[torch.Tensor, torch.Tensor]], src: torch.Tensor, dst: torch.Tensor) -> None:
