@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ..models.model_config import ModelConfig
@@ -32,17 +32,16 @@ class KVCache:
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
     """A zero tensor whose CPU memory is committed only where it is written. torch.zeros writes every byte, so
     each engine held its whole KV budget (4 GiB by default) in RAM from the start: two test workers' engines
-    exhausted a 24 GiB machine (2026-12-03: 18 + 6 GB resident, a worker killed). numpy.zeros takes calloc's
-    zero pages, which the kernel maps on first write: a CPU engine's resident KV follows the slots it uses."""
+    exhausted a 24 GiB machine (2026-12-03: 18 + 6 GB resident, a worker killed). An anonymous mapping is the
+    kernel's zero pages, each backed on its first write: a CPU engine's resident KV follows the slots it uses.
+    (Not numpy's calloc: in a long-lived process glibc may serve it from its heap and write the zeros.)"""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    size = torch.tensor([], dtype=dtype).element_size()
-    raw = np.zeros((*shape[:-1], shape[-1] * size), dtype=np.uint8)  # bytes: numpy has no bfloat16
-    return torch.from_numpy(raw).view(dtype)
-
-
-def copy_slots(layers: list[tuple[torch.Tensor, torch.Tensor]], src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy the K/V held in slots `src` to slots `dst` in every layer."""
-    for k_cache, v_cache in layers:
-        k_cache[dst] = k_cache[src]
-        v_cache[dst] = v_cache[src]
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.tensor([], dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # the tensor holds the buffer (and so the mapping) until its storage is freed
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
