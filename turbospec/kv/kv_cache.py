@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import mmap
 from dataclasses import dataclass
 
@@ -37,11 +38,15 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.devic
     (Not numpy's calloc: in a long-lived process glibc may serve it from its heap and write the zeros.)"""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.tensor([], dtype=dtype).element_size()
+    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     # the tensor holds the buffer (and so the mapping) until its storage is freed
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+
+
+def copy_slots(layers: list[tuple[torch.Tensor, torch.Tensor]], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy the K/V held in slots `src` to slots `dst` in every layer."""
+    for k_cache, v_cache in layers:
+        k_cache[dst] = k_cache[src]
+        v_cache[dst] = v_cache[src]
