@@ -191,10 +191,7 @@ def profile_engine(engine: LLMEngine, grid: ProfileGrid, progress: bool = True, 
             for round_ in range(grid.repeats + 1):
                 for k in ks:
                     engine.set_speculation(k)
-                    if round_ == 0:
-                        engine.step()
-                    else:
-                        step()
+                    (engine.step if round_ == 0 else step)()
             bar.update(len(ks))
             for rid in ids:
                 engine.abort_request(rid)

@@ -19,7 +19,7 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        return 2 * cfg.num_layers * block_size * cfg.kv_size * torch.tensor([], dtype=dtype).element_size()
+        return 2 * cfg.num_layers * block_size * cfg.kv_size * dtype.itemsize
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -32,13 +32,14 @@ class KVCache:
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
     """A zero tensor whose CPU memory is committed only where it is written. torch.zeros writes every byte, so
-    each engine held its whole KV budget (4 GiB by default) in RAM from the start: two test workers' engines
-    exhausted a 24 GiB machine (2026-12-03: 18 + 6 GB resident, a worker killed). An anonymous mapping is the
-    kernel's zero pages, each backed on its first write: a CPU engine's resident KV follows the slots it uses.
-    (Not numpy's calloc: in a long-lived process glibc may serve it from its heap and write the zeros.)"""
+    each engine held its whole KV budget (4 GiB by default) in RAM from the start, and two test workers' engines
+    exhausted a 24 GiB machine (2026-12-03, a replica of CI on a fresh clone: 18 + 6 GB resident, thrashing; in
+    CI a worker crashed). An anonymous mapping is the kernel's zero pages, each backed on its first write: a CPU
+    engine's resident KV follows the slots it uses. (Not numpy's calloc: in a long-lived process glibc may serve it
+    from its heap and write the zeros.)"""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     # the tensor holds the buffer (and so the mapping) until its storage is freed
