@@ -230,9 +230,12 @@ def test_tree_drafters_learn_acceptance_per_node_rank_and_time_their_draft(plain
     assert seen and all(len(set(r)) == len(r) and all(0 <= x < n for x in r) for n, r in seen)
     # some accepted paths were not the most confident nodes in order (a sibling, or a less likely child)
     assert any(r != list(range(len(r))) for _, r in seen), seen
-    samples = profile_engine(engine, ProfileGrid((1, 2), (32,), (0, 4), 1), progress=False)
+    samples = profile_engine(engine, ProfileGrid((1, 2), (32,), (0, 2, 8), 1), progress=False)
     drafted = [s for s in samples if s.features.spec_tokens]
     assert drafted and all(s.features.drafting_requests == s.features.batch and s.draft_s > 0 for s in drafted)
+    # the trees grew as deep as the drafts needed, no deeper than the layer's depth: one draft pass per level
+    depth = engine.proposer.tree_levels
+    assert depth == 4 and {(s.features.draft_steps, s.features.draft_levels) for s in drafted} == {(2, 2), (8, 4)}
     # the draft part is the heads' drafting, not the step's scheduling: a bounded share of the step
     assert all(s.draft_s < 0.8 * s.total_s for s in drafted)
     assert all(s.draft_s == 0 and s.features.drafting_requests == 0 for s in samples if not s.features.spec_tokens)

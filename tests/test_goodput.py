@@ -307,6 +307,29 @@ def test_tree_drafters_pay_their_draft_once_per_request_and_choose_the_best_tree
     assert tuple(two) == max(pairs, key=pairs.__getitem__), (two, max(pairs, key=pairs.__getitem__))
 
 
+def test_a_tree_drafters_levels_are_priced_up_to_its_depth_and_steer_the_tree_size():
+    """A tree drafter grows min(depth, k) levels, one draft pass each: spec_cost charges exactly the model's
+    prediction for those levels, and the controller's choice is the brute-force best under that price: here a
+    short tree when acceptance is low (a level costs more than its node brings) and a full one, past the depth,
+    when the deep nodes are accepted (nodes past the depth add no draft pass)."""
+    model = StepTimeModel({"target": LinearPart(("one", "tokens"), (0.1, 0.001)),
+                           "draft": LinearPart(("draft_levels", "drafting_requests"), (0.01, 0.002)),
+                           "overhead": LinearPart()}, refit_every=10**9)
+    base = StepFeatures(batch=1, tokens=1, kv=200, attn=200)
+    cost = model.spec_cost(base, tree_levels=4)
+    for k in range(9):
+        f = StepFeatures(batch=1, tokens=1 + k, kv=200 + k, attn=200 * (1 + k), spec_tokens=k, draft_steps=k,
+                         draft_levels=min(4, k), drafting_requests=int(k > 0))
+        assert cost(k, k, 200 * k) == pytest.approx(model.predict(f) - 0.002 * (k > 0))  # per request: activation
+    for rates, best in (([0.5, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1], 1), ([0.8] * 8, 8)):  # conditional rates
+        est = RequestBeta(prior=0.5)
+        est.rates = lambda rid, k, r=rates: r[:k]  # type: ignore[method-assign]
+        ctrl = GoodputController(model, est, switch_on_gain=0.0, tree_levels=4)
+        worth = [expected_tokens(rates, k) / (0.1 + 0.001 * (1 + k) + (0.01 * min(4, k) + 0.002 if k else 0.0))
+                 for k in range(9)]
+        assert ctrl.choose([Candidate("r", 8, 200)], base) == [max(range(9), key=worth.__getitem__)] == [best], worth
+
+
 # --- step-time model -----------------------------------------------------------------------------------------
 
 
@@ -426,6 +449,24 @@ def test_online_refit_follows_a_slower_machine():
     for s in _samples(lambda f: (0.03 + 0.003 * f.tokens, 0.0, 0.003), rng, n=256):
         model.observe(s)
     assert model.predict(f) > 1.8 * before
+
+
+def test_online_learning_moves_the_level_and_keeps_the_profiled_shape():
+    """A controller settled on one draft length only measures that length (and prefill chunks): the online
+    steps rescale each part, and the profiled price of one more verified token, relative to the step, stays."""
+    rng = random.Random(7)
+    model = StepTimeModel.fit(_samples(lambda f: (0.05 + 0.001 * f.tokens, 0.0, 0.001), rng))
+    model.refit_every = 16
+    chosen, longer = StepFeatures(batch=1, tokens=4, kv=500), StepFeatures(batch=1, tokens=9, kv=500)
+    before = model.predict(longer) / model.predict(chosen)
+    level = model.predict(chosen)
+    # every step at k = 3, measured 30% slower than profiled, and now and then a prefill at its profiled speed
+    for i in range(256):
+        f = StepFeatures(batch=1, tokens=200, kv=700) if i % 8 == 0 else StepFeatures(batch=1, tokens=4, kv=500)
+        t = (0.05 + 0.001 * f.tokens) * (1.0 if f.tokens == 200 else 1.3)
+        model.observe(StepSample(f, t, 0.0, 0.001))
+    assert model.predict(longer) / model.predict(chosen) == pytest.approx(before, rel=0.01)
+    assert model.predict(chosen) == pytest.approx(1.3 * level, rel=0.05)
 
 
 def test_spec_cost_agrees_with_the_model_it_was_built_from():

@@ -12,7 +12,7 @@ import torch
 from spec_prompts import SPEC_PROMPTS
 
 from turbospec import LLM, SamplingParams
-from turbospec.spec.eagle import EagleConfig, EagleDraft, default_feature_layers
+from turbospec.spec.eagle import EagleConfig, EagleDraft, default_feature_layers, window_mask
 from turbospec.spec.head_proposer import EagleProposer, HeadProposer, TreeDrafter
 from turbospec.spec.head_training import TrainHeadOptions, train_heads, work_dir
 from turbospec.spec.heads import HEADS_DIR, DraftHeads, HeadConfig, head_path
@@ -161,6 +161,56 @@ def test_eagle_draft_appending_entries_equals_recomputing_the_window(plain):
     rest, _ = draft(states[:, 5:], tokens[:, 5:], causal[:, 5:, :], past)
     torch.testing.assert_close(torch.cat([first, rest], dim=1), whole, atol=1e-5, rtol=1e-5)
     assert draft.fuse(torch.randn(3, (len(layers) + 1) * cfg.hidden_size)).shape == (3, cfg.hidden_size)
+
+
+class RecomputingEagleProposer(EagleProposer):
+    """The reference: every row of every level runs the layer over its whole window and path again."""
+
+    def _expand(self, requests, rows, trees, depth):
+        seqs = []
+        for i, n in rows:
+            path = []
+            while n >= 0:
+                path.append((trees[i][n].state, trees[i][n].token))
+                n = trees[i][n].parent
+            seqs.append(list(self.window[requests[i].request_id]) + path[::-1])
+        states, tokens, valid = self._batch(seqs)
+        out = self.draft(states, tokens, window_mask(valid))[0][:, -1]
+        return (*self._top(self.draft.logits(out), self.draft.vocab), out)
+
+
+def test_eagle_proposer_computes_each_tree_entry_once_and_grows_the_recomputed_trees(plain):
+    """Deeper levels attend to the window's and the ancestors' kept keys and values: the trees (two requests
+    with windows of different lengths, so the kept keys are padded) are those of recomputing every path."""
+    cfg = plain.engine.model_config
+    model = plain.engine.loaded.model
+    draft = EagleDraft(EagleConfig(cfg.hidden_size, [3, 7], 32, 128, 64, 16, 4, MODEL, cfg.vocab_size),
+                       torch.arange(1000))
+    for p in draft.parameters():
+        p.data.normal_(std=0.05)
+    draft.attach(model.embed.weight, model.embed.weight)
+    engine = plain.engine
+    requests = [engine.requests[engine.add_request(p, SamplingParams(temperature=0, max_tokens=4))]
+                for p in ("Hi", "Hello there")]
+    proposers = [EagleProposer(draft, branch=2, beam=2), RecomputingEagleProposer(draft, branch=2, beam=2)]
+    gen = torch.Generator().manual_seed(0)
+    for req, entries in zip(requests, (3, 9)):
+        feats = torch.randn(entries, 3 * cfg.hidden_size, generator=gen)
+        for proposer in proposers:
+            proposer.observe_hidden(req, feats, list(range(10, 10 + entries)), req.num_tokens)
+    outputs: list[list[torch.Tensor]] = []  # the layer's outputs each proposer scored, level by level
+    logits = draft.logits
+    draft.logits = lambda out: (outputs[-1].append(out), logits(out))[1]  # type: ignore[method-assign]
+    ours, reference = [], []
+    for proposer, drafts in zip(proposers, (ours, reference)):
+        outputs.append([])
+        drafts.extend(proposer.propose(requests, [12, 7]))
+    torch.testing.assert_close(torch.cat(outputs[0]), torch.cat(outputs[1]), atol=1e-5, rtol=1e-5)
+    for a, b in zip(ours, reference):
+        assert a.tree is not None and b.tree is not None and max(a.tree.depth) >= 3  # nodes over ancestors
+        assert (a.tokens, a.tree.parents, a.tree.ranks) == (b.tokens, b.tree.parents, b.tree.ranks)
+    for req in requests:
+        engine.abort_request(req.request_id)
 
 
 def test_eagle_proposer_keeps_a_window_of_the_emitted_tokens_features(plain):

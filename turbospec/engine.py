@@ -299,7 +299,7 @@ class LLMEngine:
             model = load_or_profile(self, progress)
             assert self.proposer is not None
             estimator = make_estimator(self.spec.acceptance_estimator, ranks_nodes=self.proposer.ranks_nodes)
-            self.controller = GoodputController(model, estimator)
+            self.controller = GoodputController(model, estimator, tree_levels=self.proposer.tree_levels)
 
     def spec_stats_dict(self) -> dict[str, object]:
         out: dict[str, object] = self.spec_stats.as_dict()
@@ -329,7 +329,7 @@ class LLMEngine:
         self._ngram_drafts = {}
         sched = self.scheduler.schedule(self._spec_budget if speculating else None)
         scheduled = time.perf_counter()  # scheduling (and the controller's choice) is overhead, not drafting
-        draft_tokens, drafting = self._propose(sched) if speculating else (0, 0)
+        draft_tokens, drafting, levels = self._propose(sched) if speculating else (0, 0, 0)
         proposed = time.perf_counter()
         if sched.is_empty:
             self.last_step = StepStats(0, 0, len(sched.preempted), proposed - start)
@@ -344,7 +344,7 @@ class LLMEngine:
                 windows += s.request.determinism == "llm42"
         learn = self.controller is not None and self.spec_mode == "auto"
         # only the controller and the profiler read step samples: plain serving does not build them (before _update)
-        features = self._features(sched, draft_tokens, drafting) if learn or self.sample_steps else None
+        features = self._features(sched, draft_tokens, drafting, levels) if learn or self.sample_steps else None
         model_out = self.runner.execute(sched, self._exact_ids)
         forwarded = time.perf_counter()
         if draft_tokens:  # AdaSD weighs a draft step against this (spec/acceptance.py)
@@ -365,8 +365,8 @@ class LLMEngine:
         return outputs
 
     @staticmethod
-    def _features(sched: SchedulerOutput, draft_tokens: int, drafting: int) -> StepFeatures:
-        f = StepFeatures(draft_tokens=draft_tokens, drafting_requests=drafting)
+    def _features(sched: SchedulerOutput, draft_tokens: int, drafting: int, levels: int) -> StepFeatures:
+        f = StepFeatures(draft_tokens=draft_tokens, drafting_requests=drafting, draft_levels=levels)
         for s in sched.scheduled:
             f.add(s.start, s.num_new_tokens, len(s.request.spec_token_ids[: s.num_spec_tokens]) if s.samples else 0)
         f.gathered_slots()  # planned now: the sample is logged and serialised as it is
@@ -440,20 +440,20 @@ class LLMEngine:
             return caps
         return [min(k, max(0, self.blocks.num_slots(r.request_id) - r.num_tokens)) for r, k in zip(decoding, caps)]
 
-    def _propose(self, sched: SchedulerOutput) -> tuple[int, int]:
-        """Fill each scheduled request's drafts; returns the tokens a draft model processed (0 for n-gram) and
-        the requests draft heads drafted for (their cost per request, whatever k; a draft model's cost is in its
-        tokens and forwards, so it counts none)."""
+    def _propose(self, sched: SchedulerOutput) -> tuple[int, int, int]:
+        """Fill each scheduled request's drafts; returns the tokens a draft model processed (0 for n-gram), the
+        requests draft heads drafted for, and the levels their trees grew (a draft model's cost is in its tokens
+        and forwards, so it counts neither)."""
         assert self.proposer is not None
         spec = [s for s in sched.scheduled if s.num_spec_tokens > 0 and not s.request.check_tokens]
         for s in sched.scheduled:
             s.request.spec_token_ids = []
         if not spec:
-            return 0, 0
+            return 0, 0, 0
         if self.spec_mode == "auto" and isinstance(self.proposer, NgramProposer):
             for s in spec:
                 s.request.spec_token_ids = self._ngram_drafts.get(s.request.request_id, [])[: s.num_spec_tokens]
-            return 0, 0
+            return 0, 0, 0
         # a draft model runs over the tokens it has not seen, then one token per further draft step
         draft_tokens = sum(self.proposer.catch_up_tokens(s.request) + s.num_spec_tokens - 1 for s in spec) \
             if self.proposer.runs_model else 0
@@ -465,7 +465,9 @@ class LLMEngine:
             s.request.spec_tree = d.tree if keep else None
             s.request.spec_draft_probs = d.probs
             s.request.spec_draft_soft, s.request.spec_draft_entropy = d.soft_probs, d.entropies or []
-        return draft_tokens, sum(1 for d in drafts if d.tokens) if self.proposer.needs_hidden else 0
+        drafting = sum(1 for d in drafts if d.tokens) if self.proposer.needs_hidden else 0
+        levels = min(self.proposer.tree_levels, max(s.num_spec_tokens for s in spec)) if drafting else 0
+        return draft_tokens, drafting, levels
 
     def _update(self, sched: SchedulerOutput, out: ModelOutput) -> list[RequestOutput]:
         checking = {s.request.request_id for s in sched.scheduled if s.request.check_tokens}  # before _verify

@@ -73,9 +73,10 @@ def base_step(decode_contexts: list[int], pending: list[tuple[int, int]], budget
 
 
 class GoodputController:
-    def __init__(self, model: StepTimeModel, estimator: AcceptanceEstimator, switch_on_gain: float = SWITCH_ON_GAIN
-                 ) -> None:
+    def __init__(self, model: StepTimeModel, estimator: AcceptanceEstimator, switch_on_gain: float = SWITCH_ON_GAIN,
+                 tree_levels: int = 0) -> None:
         self.model = model
+        self.tree_levels = tree_levels  # a tree drafter's depth: its draft passes are min(this, the largest k)
         self.estimator = estimator
         self.switch_on_gain = switch_on_gain
         self.speculating = False
@@ -86,7 +87,8 @@ class GoodputController:
         self._warned_extrapolation = False
         # a per-draft-forward cost makes the longest draft matter: search over depth caps (see choose_lengths)
         draft = model.parts.get("draft")
-        self._depth_costs = draft is not None and any(c in ("draft_steps", "drafting") for c in draft.columns)
+        self._depth_costs = draft is not None and any(c in ("draft_steps", "drafting", "draft_levels")
+                                                      for c in draft.columns)
 
     def choose(self, candidates: list[Candidate], base: StepFeatures, max_total: int | None = None) -> list[int]:
         """Draft lengths for this step's decoding requests; `base` is the step without any drafts, max_total
@@ -100,7 +102,7 @@ class GoodputController:
         rates = [self.estimator.rates(c.request_id, c.k_max) if c.k_max > 0 else [0.0] for c in candidates]
         per_request = self.model.per_drafting_request_s()  # refitted online: read once per step
         activation = [self._activation_cost(c, r, per_request) for c, r in zip(candidates, rates)]
-        choice = choose_lengths(rates, [c.k_max for c in candidates], self.model.spec_cost(base),
+        choice = choose_lengths(rates, [c.k_max for c in candidates], self.model.spec_cost(base, self.tree_levels),
                                 [c.context for c in candidates],
                                 min_gain=0.0 if self.speculating else self.switch_on_gain, max_total=max_total,
                                 search_depth=self._depth_costs, activation=activation if any(activation) else None)
@@ -114,8 +116,8 @@ class GoodputController:
     def _activation_cost(self, c: Candidate, rates: list[float], per_request: float) -> float:
         """Seconds a request adds by drafting at all, whatever its k.
 
-        - Draft heads grow one candidate tree per request (k only picks how many of its nodes are verified): the
-          step-time model's per-drafting-request cost.
+        - Draft heads grow one candidate tree per request (k picks how many of its nodes are verified; the
+          levels it needs are priced by spec_cost): the step-time model's per-drafting-request cost.
         - A draft model drafts for a request only after running over every token it has not seen: the whole
           prompt the first time. That cost is paid once and buys speculation for the rest of the request, so
           the choice charges each step its share: catch-up time / the steps left at full speculation."""

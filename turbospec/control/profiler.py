@@ -55,7 +55,8 @@ GRIDS = {
 # padded-slot feature; or version 3, whose fits could pick an attention-call feature dropped since) is measured
 # again rather than trusted. Version 5: draft heads' time is the draft part (per drafting request), not overhead,
 # and the grid reaches the controller's cap. Version 6: the ks measured in turn, after an unrecorded round.
-PROFILER_VERSION = "6"
+# Version 7: tree drafters' levels (draft_levels) are a feature of the samples, so a draft form can use them.
+PROFILER_VERSION = "7"
 
 
 class RepeatProposer(Proposer):

@@ -11,9 +11,9 @@ wins. On this CPU a kinked form ("hinge": flat while weight-bandwidth bound, the
 beats a single line, which is why the knot is part of the search. Fits minimise relative error: step times
 span two orders of magnitude, and the controller compares ratios.
 
-The profile's samples are kept. Online, every measured step is added to a bounded window and the chosen forms
-are refitted every `refit_every` steps, so the model follows drift (thermal, other tenants). This improves
-accuracy only; any model, however stale, gives correct outputs.
+The profile's samples are kept. Online, every measured step is added to a bounded window and every
+`refit_every` steps each part is rescaled to it (its level, not its shape: `rescale`), so the model follows
+drift (thermal, other tenants). This improves accuracy only; any model, however stale, gives correct outputs.
 """
 
 from __future__ import annotations
@@ -45,9 +45,12 @@ class StepFeatures:
     draft_steps: int = 0  # max k_i: autoregressive draft forwards
     draft_tokens: int = 0  # tokens the draft model processes (catch-up + k_i - 1 per drafting request)
     draft_kv: int = 0  # sum over drafting requests of k_i x context length
-    # requests a draft network ran for. Draft heads (Medusa, Hydra, EAGLE) cost the same for each, whatever
-    # its k: they grow one candidate tree, depth by depth, and k only picks how many of its nodes are verified
+    # requests a draft network ran for: draft heads (Medusa, Hydra, EAGLE) grow one candidate tree per request,
+    # and k only picks how many of its nodes are verified
     drafting_requests: int = 0
+    # levels those trees grew: one batched draft pass each, min(the drafter's depth, max k_i). Measured on
+    # qwen2.5-coder-1.5b's EAGLE draft (depth 4): 2.5, 5, 10 and 10 ms for k = 1, 2, 4 and 8
+    draft_levels: int = 0
     # cache slots attention reads, padding included: requests padded to the longest context of their attention
     # group (attention_groups.py). Computed from the requests added when first read (gathered_slots())
     gathered: int = 0
@@ -137,8 +140,10 @@ CANDIDATES: dict[str, list[tuple[str, ...]]] = {
         ("draft_steps", "draft_tokens"),
         ("draft_steps", "draft_tokens", "draft_kv"),
         ("drafting", "draft_steps", "draft_tokens", "draft_kv"),
-        ("drafting_requests",),  # draft heads: a tree per request, k does not matter
+        ("drafting_requests",),  # draft heads: a tree per request
         ("drafting", "drafting_requests"),
+        ("draft_levels", "drafting_requests"),  # ... grown level by level, as deep as the largest k needs
+        ("drafting", "draft_levels", "drafting_requests"),
     ],
     "overhead": [
         ("one", "batch"),
@@ -238,6 +243,7 @@ class StepTimeModel:
     def __post_init__(self) -> None:
         self._online: deque[StepSample] = deque(maxlen=self.window)
         self._since_refit = 0
+        self._fitted = dict(self.parts)  # the shape online learning rescales (refit() replaces it)
 
     @classmethod
     def fit(cls, samples: list[StepSample], key: dict[str, str] | None = None) -> StepTimeModel:
@@ -265,12 +271,13 @@ class StepTimeModel:
         return max(0.0, sum(c for part in self.parts.values() for n, c in zip(part.columns, part.coef)
                             if n == "drafting_requests"))
 
-    def spec_cost(self, base: StepFeatures) -> Callable[[int, int, int], float]:
+    def spec_cost(self, base: StepFeatures, tree_levels: int = 0) -> Callable[[int, int, int], float]:
         """Predicted step time as a function of the speculative part only, with everything else fixed at `base`.
 
         Each draft token adds one verified token and one draft token and attends to its request's context; the
-        longest draft sets the number of draft forwards. Evaluated hundreds of times per step, so the features
-        are resolved once here into (coefficient, how it moves) terms.
+        longest draft sets the number of draft forwards, and a tree drafter's levels (at most `tree_levels`,
+        its depth). Evaluated hundreds of times per step, so the features are resolved once here into
+        (coefficient, how it moves) terms.
         """
         terms: list[tuple[float, str, float]] = []  # (coef, delta kind, base value)
         for part in self.parts.values():
@@ -285,6 +292,8 @@ class StepTimeModel:
                     terms.append((coef, "sum_kctx", float(getattr(base, name))))
                 elif name == "draft_steps":
                     terms.append((coef, "max_k", float(base.draft_steps)))
+                elif name == "draft_levels":
+                    terms.append((coef, "levels", float(tree_levels)))
                 elif name == "drafting":
                     terms.append((coef, "drafting", 0.0))
                 elif name == "drafting_requests":  # per drafting request: the controller's activation cost
@@ -304,6 +313,8 @@ class StepTimeModel:
                     t += c * (v + sum_kctx)
                 elif kind == "max_k":
                     t += c * (v + max_k)
+                elif kind == "levels":
+                    t += c * min(v, max_k)
                 elif kind == "drafting":
                     t += c * (max_k > 0)
                 elif kind == "hinge":
@@ -315,16 +326,34 @@ class StepTimeModel:
         return cost
 
     def observe(self, sample: StepSample) -> None:
-        """Add a measured step; refit the chosen forms on profile + recent steps every `refit_every` steps."""
+        """Add a measured step; every `refit_every` steps rescale each part to the recent steps (`rescale`)."""
         self._online.append(sample)
         self._since_refit += 1
         if self._since_refit >= self.refit_every:
             self._since_refit = 0
-            self.refit()
+            self.rescale()
+
+    def rescale(self) -> None:
+        """Online learning: each part's fitted form times the median ratio of measured to predicted time over
+        the recent steps. Only the level moves, not the shape. The recent steps are the ones the controller
+        chose, so they cannot tell slopes apart: a controller settled on one k sees that k and prefill chunks,
+        nothing in between. A least-squares refit on them (as `refit` does) moved the price of a verified node
+        from the profile's 0.1 ms to 2 ms within a few refits (qwen2.5-coder-1.5b, EAGLE, batch 1, where the
+        profile measured 1 to 9 verified tokens within noise of each other), and the controller then cut trees
+        of 8 nodes to 3 and lost their accepted tokens for nothing. A machine that slows down or speeds up moves
+        every step alike, which the level follows. The median: one step stalled by the OS does not move it."""
+        for name, fitted in self._fitted.items():
+            ratios = [s.part(name) / p for s in self._online
+                      if s.part(name) > 0 and (p := fitted.predict(s.features)) > 1e-6]
+            if ratios:
+                scale = float(np.median(ratios))
+                self.parts[name] = LinearPart(fitted.columns, tuple(c * scale for c in fitted.coef))
 
     def refit(self) -> None:
-        """Refit on the profile and the online window. As the window fills, the profile's weight falls to a
-        tenth: recent steps decide where the engine actually runs, the profile still anchors the rest."""
+        """Refit the forms' coefficients on the profile and the online window, for calibration runs that vary
+        batch and draft length (benchmarks/simulator_validation.py); the engine itself only rescales online. As
+        the window fills, the profile's weight falls to a tenth: the calibration decides, the profile anchors the
+        rest."""
         data = self.samples + list(self._online)
         profile_weight = max(0.1, 1.0 - len(self._online) / self.window)
         weight = np.array([profile_weight] * len(self.samples) + [1.0] * len(self._online))
@@ -335,6 +364,7 @@ class StepTimeModel:
             y = np.array([s.part(name) for s in data], dtype=np.float64)
             if len(y) > len(part.columns) and np.linalg.matrix_rank(x) == len(part.columns):
                 self.parts[name] = LinearPart(part.columns, tuple(float(c) for c in _fit(x, y, weight)))
+        self._fitted = dict(self.parts)
 
     # --- cache ----------------------------------------------------------------------------------------
 

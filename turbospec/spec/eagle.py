@@ -13,7 +13,8 @@ token just drafted (EAGLE feeds its own predicted features back; EAGLE-3 trains 
 - Sized for CPU and for the repository's 50 MB: attention width 256, MLP 512, ranks H / 4.
 Unlike EAGLE there is no draft KV cache kept between steps: the window is short (16 entries), so each step
 recomputes the layer over it, which keeps the draft stateless across preemption and rollback. Within one
-call, appended entries reuse the earlier entries' keys and values (`past`), as training's unrolling does.
+call, appended entries reuse the earlier entries' keys and values (`past`), as training's unrolling does;
+the proposer (head_proposer.py) computes each tree node's entry once, at the node's expansion.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.layers import RowLinear
 from ..models.packed import PackedWeight
 from .draft_vocab import VocabHead
 from .heads import read_head_file, save_head_file
@@ -68,14 +70,16 @@ class EagleDraft(nn.Module):
         self.config = config
         h, r = config.hidden_size, config.rank
         features = (len(config.feature_layers) + 1) * h
-        self.fuse_down, self.fuse_up = nn.Linear(features, r), nn.Linear(r, h)
-        self.in_down, self.in_up = nn.Linear(2 * h, r), nn.Linear(r, h)
+        # RowLinear: at inference, in bf16, our rows kernel (the draft's calls are a few rows: half of torch's
+        # time for them on a Zen 5); in training it is nn.Linear
+        self.fuse_down, self.fuse_up = RowLinear(features, r), RowLinear(r, h)
+        self.in_down, self.in_up = RowLinear(2 * h, r), RowLinear(r, h)
         self.norm1 = nn.Parameter(torch.ones(h))
-        self.qkv = nn.Linear(h, 3 * config.attn_dim, bias=False)
-        self.o = nn.Linear(config.attn_dim, h, bias=False)
+        self.qkv = RowLinear(h, 3 * config.attn_dim, bias=False)
+        self.o = RowLinear(config.attn_dim, h, bias=False)
         self.norm2 = nn.Parameter(torch.ones(h))
-        self.gate_up = nn.Linear(h, 2 * config.mlp_dim, bias=False)
-        self.down = nn.Linear(config.mlp_dim, h, bias=False)
+        self.gate_up = RowLinear(h, 2 * config.mlp_dim, bias=False)
+        self.down = RowLinear(config.mlp_dim, h, bias=False)
         self.norm_out = nn.Parameter(torch.ones(h))
         for w in (self.fuse_up, self.in_up):  # start from the target's own final hidden state
             nn.init.zeros_(w.weight)

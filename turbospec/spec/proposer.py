@@ -37,6 +37,8 @@ class Proposer(ABC):
     # True when the proposer's k drafts are its k most confident nodes of one candidate tree (TokenTree.ranks):
     # the goodput controller then values the k-th node by how often the node of rank k is accepted
     ranks_nodes = False
+    # a tree drafter's deepest level: it grows trees level by level, min(this, k) passes (0: not a tree drafter)
+    tree_levels = 0
 
     @abstractmethod
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Draft]:
