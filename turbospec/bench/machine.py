@@ -16,9 +16,40 @@ import torch
 from ..control.profiler import hardware_name
 
 
+# the vector units that decide our kernels' paths (kernels/): results from CPUs of one model name differ by them
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_description() -> str:
+    """The CPU's model name, family and vector units: "AMD EPYC (family 26; avx2, avx512f, avx512_bf16)". Cloud
+    CPUs often share a model name across generations (Zen 2, 4 and 5 all read "AMD EPYC")."""
+    family, flags = "", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "cpu family" and not family:
+                family = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        return hardware_name("cpu")
+    units = ", ".join(f for f in CPU_FLAGS if f in flags)
+    details = "; ".join(x for x in (f"family {family}" if family else "", units) if x)
+    return f"{hardware_name('cpu')} ({details})" if details else hardware_name("cpu")
+
+
+def source_commit() -> str:
+    """HEAD's short hash, marked when tracked files differ from it (a result measured on uncommitted code)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
+    commit = git("rev-parse", "--short", "HEAD")
+    return f"{commit} + uncommitted changes" if commit and git("status", "--porcelain", "--untracked-files=no") \
+        else commit
+
+
 def machine_info(threads: int, device: str = "cpu") -> dict[str, Any]:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return {"platform": platform.platform(), "cpu": hardware_name("cpu"), "device": hardware_name(device),
+    commit = source_commit()
+    return {"platform": platform.platform(), "cpu": cpu_description(), "device": hardware_name(device),
             "cpus": os.cpu_count(), "threads": threads, "torch": torch.__version__,
             "python": platform.python_version(), "commit": commit,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

@@ -1,0 +1,37 @@
+"""What benchmark results record about where they ran (turbospec/bench/machine.py)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from turbospec.bench.machine import cpu_description, source_commit
+from turbospec.control.profiler import hardware_name
+
+
+def test_the_cpu_description_names_the_family_and_vector_units():
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if "cpu family" not in text:
+        pytest.skip("no /proc/cpuinfo with a CPU family here")
+    described = cpu_description()
+    assert described.startswith(hardware_name("cpu")) and "family " in described
+    flags = next(line for line in text.splitlines() if line.startswith("flags")).split()
+    assert ("avx2" in described) == ("avx2" in flags)
+
+
+def test_the_commit_is_marked_when_tracked_files_changed(tmp_path, monkeypatch):
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "a")
+    monkeypatch.chdir(tmp_path)
+    head = git("rev-parse", "--short", "HEAD")
+    (tmp_path / "untracked.json").write_text("{}")  # results written by the run itself do not count
+    assert source_commit() == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert source_commit() == f"{head} + uncommitted changes"
