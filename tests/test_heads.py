@@ -12,7 +12,8 @@ import torch
 from spec_prompts import SPEC_PROMPTS
 
 from turbospec import LLM, SamplingParams
-from turbospec.spec.eagle import EagleConfig, EagleDraft, default_feature_layers, window_mask
+from turbospec.bench.eagle_reference import RecomputingEagleProposer
+from turbospec.spec.eagle import EagleConfig, EagleDraft, default_feature_layers
 from turbospec.spec.head_proposer import EagleProposer, HeadProposer, TreeDrafter
 from turbospec.spec.head_training import TrainHeadOptions, train_heads, work_dir
 from turbospec.spec.heads import HEADS_DIR, DraftHeads, HeadConfig, head_path
@@ -161,22 +162,6 @@ def test_eagle_draft_appending_entries_equals_recomputing_the_window(plain):
     rest, _ = draft(states[:, 5:], tokens[:, 5:], causal[:, 5:, :], past)
     torch.testing.assert_close(torch.cat([first, rest], dim=1), whole, atol=1e-5, rtol=1e-5)
     assert draft.fuse(torch.randn(3, (len(layers) + 1) * cfg.hidden_size)).shape == (3, cfg.hidden_size)
-
-
-class RecomputingEagleProposer(EagleProposer):
-    """The reference: every row of every level runs the layer over its whole window and path again."""
-
-    def _expand(self, requests, rows, trees, depth):
-        seqs = []
-        for i, n in rows:
-            path = []
-            while n >= 0:
-                path.append((trees[i][n].state, trees[i][n].token))
-                n = trees[i][n].parent
-            seqs.append(list(self.window[requests[i].request_id]) + path[::-1])
-        states, tokens, valid = self._batch(seqs)
-        out = self.draft(states, tokens, window_mask(valid))[0][:, -1]
-        return (*self._top(self.draft.logits(out), self.draft.vocab), out)
 
 
 def test_eagle_proposer_computes_each_tree_entry_once_and_grows_the_recomputed_trees(plain):

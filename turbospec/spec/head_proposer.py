@@ -37,9 +37,9 @@ class _Node:
     parent: int  # index into the request's node list, -1 for the root
     depth: int  # 1 for the root's children
     state: torch.Tensor | None = None  # the draft's state that predicted this node (Hydra, EAGLE)
-    # EAGLE: the key and value [heads, 1, head dim] of this node's own entry (its state and token), set when it is
-    # expanded: its children's expansions attend to it without computing it again
-    entry: tuple[torch.Tensor, torch.Tensor] | None = None
+    # EAGLE: keys and values [heads, P, head dim] of the entries up to this node's own (the window, its ancestors',
+    # its own), set when it is expanded: its children's expansions attend to them without computing them again
+    entries: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class TreeDrafter(Proposer):
@@ -49,10 +49,14 @@ class TreeDrafter(Proposer):
     ranks_nodes = True
 
     def __init__(self, depth: int, branch: int = 4, beam: int = 4) -> None:
-        self.depth = self.tree_levels = depth
+        self.depth = depth
         self.branch = branch
         self.beam = beam
         self.seen: dict[str, int] = {}  # request -> its length when its hidden states were last observed
+
+    @property
+    def tree_levels(self) -> int:  # type: ignore[override]
+        return self.depth
 
     def free(self, request_id: str) -> None:
         self.seen.pop(request_id, None)
@@ -162,7 +166,7 @@ class EagleProposer(TreeDrafter):
         self.draft = draft
         self.capture_layers = tuple(draft.config.feature_layers)
         self.window: dict[str, deque[tuple[torch.Tensor, int]]] = {}  # request -> (state, token) entries
-        # during one propose call: request index -> its window's keys and values [heads, T, head dim]
+        # request index -> its window's keys and values [heads, T, head dim], set at each propose call's root level
         self._window_entries: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def observe_hidden(self, request: Request, hidden: torch.Tensor, tokens: list[int], num_tokens: int) -> None:
@@ -192,54 +196,38 @@ class EagleProposer(TreeDrafter):
             valid[r, pad:] = True
         return states, tokens, valid
 
-    @torch.inference_mode()
-    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Draft]:
-        try:
-            return super().propose(requests, num_tokens)
-        finally:
-            self._window_entries = {}  # this call's only
-
     def _expand(self, requests: list[Request], rows: Rows, trees: dict[int, list[_Node]], depth: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The root level runs the layer over each request's window and keeps its keys and values; every deeper
-        level computes one entry per row, the expanded node's, attending to those and to its ancestors' entries
-        (kept on the nodes). Causal attention makes that the same as running the window and the path again, as
-        this used to (16 + depth entries per row and level; qwen2.5-coder-1.5b's drafting fell from 11.6 to 9.3 ms
-        per step)."""
+        level computes one entry per row, the expanded node's, attending to its parent's kept entries (the
+        window's at depth 1). Causal attention makes that the same as running the window and the path again
+        (`bench/eagle_reference.py`; benchmarks/eagle_draft_cost.py times both)."""
         if depth == 0:
             states, tokens, valid = self._batch([list(self.window[requests[i].request_id]) for i, _ in rows])
             outs, (keys, values) = self.draft(states, tokens, window_mask(valid))
             self._window_entries = {i: (keys[r][:, valid[r]], values[r][:, valid[r]]) for r, (i, _) in enumerate(rows)}
         else:
             nodes = [trees[i][n] for i, n in rows]
-            pasts = [self._past(trees[i], n, i) for i, n in rows]
+            pasts = [self._kept(trees[i], node, i) for (i, _), node in zip(rows, nodes)]
             longest = max(k.shape[1] for k, _ in pasts)
-            heads, dim = pasts[0][0].shape[0], pasts[0][0].shape[2]
+            heads, _, dim = pasts[0][0].shape
             past_k = pasts[0][0].new_zeros(len(rows), heads, longest, dim)
             past_v = torch.zeros_like(past_k)
             mask = torch.zeros(len(rows), 1, longest + 1, dtype=torch.bool)
-            for r, (k, v) in enumerate(pasts):  # left padding: the new entry is the last key of every row
+            for r, (k, v) in enumerate(pasts):  # left padding: the new entry is every row's last key
                 past_k[r, :, longest - k.shape[1]:] = k
                 past_v[r, :, longest - k.shape[1]:] = v
                 mask[r, 0, longest - k.shape[1]:] = True
             states = torch.stack([node.state for node in nodes])[:, None]  # type: ignore[misc]
             tokens = torch.tensor([[node.token] for node in nodes])
             outs, (keys, values) = self.draft(states, tokens, mask, (past_k, past_v))
-            for node, k, v in zip(nodes, keys[:, :, -1:], values[:, :, -1:]):
-                node.entry = (k, v)
+            for r, node in enumerate(nodes):
+                node.entries = (keys[r][:, mask[r, 0]], values[r][:, mask[r, 0]])
         out = outs[:, -1]
         return (*self._top(self.draft.logits(out), self.draft.vocab), out)
 
-    def _past(self, nodes: list[_Node], n: int, request: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [heads, P, head dim] of the entries before node n's own: the window, then its
-        ancestors' entries from the root down."""
-        ancestors = []
-        p = nodes[n].parent
-        while p >= 0:
-            ancestors.append(nodes[p].entry)
-            p = nodes[p].parent
-        k, v = self._window_entries[request]
-        if not ancestors:
-            return k, v
-        return (torch.cat([k] + [e[0] for e in reversed(ancestors)], dim=1),  # type: ignore[index]
-                torch.cat([v] + [e[1] for e in reversed(ancestors)], dim=1))  # type: ignore[index]
+    def _kept(self, nodes: list[_Node], node: _Node, request: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values a node's expansion attends to: its parent's, or the window's under the root."""
+        kept = self._window_entries[request] if node.parent < 0 else nodes[node.parent].entries
+        assert kept is not None, "a parent is expanded before its children"
+        return kept
