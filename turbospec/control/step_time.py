@@ -48,8 +48,8 @@ class StepFeatures:
     # requests a draft network ran for: draft heads (Medusa, Hydra, EAGLE) grow one candidate tree per request,
     # and k only picks how many of its nodes are verified
     drafting_requests: int = 0
-    # levels those trees grew: one batched draft pass each, min(the drafter's depth, max k_i). Measured on
-    # qwen2.5-coder-1.5b's EAGLE draft (depth 4): 2.5, 5, 10 and 10 ms for k = 1, 2, 4 and 8
+    # levels those trees grew: one batched draft pass each, min(the drafter's depth, max k_i). qwen2.5-coder-1.5b's
+    # EAGLE draft (depth 4): 2.3, 4.3, 7.8 and 7.1 ms for k = 1, 2, 4 and 8 (benchmarks/results/eagle_draft_cost.md)
     draft_levels: int = 0
     # cache slots attention reads, padding included: requests padded to the longest context of their attention
     # group (attention_groups.py). Computed from the requests added when first read (gathered_slots())
@@ -337,10 +337,11 @@ class StepTimeModel:
         """Online learning: each part's fitted form times the median ratio of measured to predicted time over
         the recent steps. Only the level moves, not the shape. The recent steps are the ones the controller
         chose, so they cannot tell slopes apart: a controller settled on one k sees that k and prefill chunks,
-        nothing in between. A least-squares refit on them (as `refit` does) moved the price of a verified node
-        from the profile's 0.1 ms to 2 ms within a few refits (qwen2.5-coder-1.5b, EAGLE, batch 1, where the
-        profile measured 1 to 9 verified tokens within noise of each other), and the controller then cut trees
-        of 8 nodes to 3 and lost their accepted tokens for nothing. A machine that slows down or speeds up moves
+        nothing in between. A least-squares refit on them (as `refit` does) raised the price of a verified node
+        many times over (qwen2.5-coder-1.5b, EAGLE, batch 1, where verifying 1 to 8 nodes costs the same:
+        benchmarks/results/eagle_draft_cost.md), and the controller then cut 8-node trees to 2 nodes on every
+        HumanEval step (benchmarks/results/proposer_zoo_qwen_zen5_eagle8.json) and lost their accepted tokens. A
+        machine that slows down or speeds up moves
         every step alike, which the level follows. The median: one step stalled by the OS does not move it."""
         for name, fitted in self._fitted.items():
             ratios = [s.part(name) / p for s in self._online
