@@ -56,7 +56,8 @@ GRIDS = {
 # again rather than trusted. Version 5: draft heads' time is the draft part (per drafting request), not overhead,
 # and the grid reaches the controller's cap. Version 6: the ks measured in turn, after an unrecorded round.
 # Version 7: tree drafters' levels (draft_levels) are a feature of the samples, so a draft form can use them.
-PROFILER_VERSION = "7"
+# Version 8: fits are monotone in work (monotone_fit.py); a cached fit may dip where the controller then aims.
+PROFILER_VERSION = "8"
 
 
 class RepeatProposer(Proposer):

@@ -9,7 +9,9 @@ A step has three parts, each a least-squares fit on its own features:
 For each part several feature sets are tried. The one with the lowest held-out relative error (5-fold)
 wins. On this CPU a kinked form ("hinge": flat while weight-bandwidth bound, then linear in tokens) often
 beats a single line, which is why the knot is part of the search. Fits minimise relative error: step times
-span two orders of magnitude, and the controller compares ratios.
+span two orders of magnitude, and the controller compares ratios. They are monotone: no coefficient of work, and no
+slope after a knot, may be negative (monotone_fit.py), since a noisy profile otherwise draws dips the controller
+then exploits.
 
 The profile's samples are kept. Online, every measured step is added to a bounded window and every
 `refit_every` steps each part is rescaled to it (its level, not its shape: `rescale`), so the model follows
@@ -29,6 +31,7 @@ import numpy as np
 
 from ..attention_groups import gathered_slots
 from ..cache_files import write_text_atomically
+from .monotone_fit import monotone_lstsq
 
 PARTS = ("target", "draft", "overhead")
 
@@ -168,13 +171,13 @@ def _design(samples: list[StepFeatures], columns: tuple[str, ...]) -> np.ndarray
     return np.array([[_feature(s, c) for c in columns] for s in samples], dtype=np.float64)
 
 
-def _fit(x: np.ndarray, y: np.ndarray, weight: np.ndarray | None = None) -> np.ndarray:
-    """Least squares in relative error: each row weighted by 1 / y (floored so near-zero times do not dominate)."""
+def _fit(x: np.ndarray, y: np.ndarray, columns: tuple[str, ...], weight: np.ndarray | None = None) -> np.ndarray:
+    """Least squares in relative error (each row weighted by 1 / y, floored so near-zero times do not dominate),
+    with the time non-decreasing in every column of work (monotone_fit.py)."""
     w = 1.0 / np.maximum(y, max(float(np.median(y)) * 0.05, 1e-5))
     if weight is not None:
         w = w * weight
-    coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
-    return coef
+    return monotone_lstsq(x * w[:, None], y * w, columns)
 
 
 def _relative_error(pred: np.ndarray, y: np.ndarray) -> float:
@@ -217,7 +220,7 @@ def select_form(samples: list[StepSample], part: str, folds: int = 5, seed: int 
         for k in range(folds):
             train, test = fold_of != k, fold_of == k
             if test.any() and train.sum() > len(columns):
-                errors.append(_relative_error(x[test] @ _fit(x[train], y[train]), y[test]))
+                errors.append(_relative_error(x[test] @ _fit(x[train], y[train], columns), y[test]))
         err = float(np.mean(errors)) if errors else math.inf
         if best is None or err < best[0] - 1e-9:
             best = (err, columns)
@@ -226,7 +229,7 @@ def select_form(samples: list[StepSample], part: str, folds: int = 5, seed: int 
         return LinearPart(("one",), (mean,)), FitReport(part, ("one",), math.inf, 0.0, len(samples))
     columns = best[1]
     x = _design(feats, columns)
-    coef = _fit(x, y)
+    coef = _fit(x, y, columns)
     return LinearPart(columns, tuple(float(c) for c in coef)), FitReport(part, columns, best[0], _r2(x @ coef, y),
                                                                          len(samples))
 
@@ -364,7 +367,7 @@ class StepTimeModel:
             x = _design([s.features for s in data], part.columns)
             y = np.array([s.part(name) for s in data], dtype=np.float64)
             if len(y) > len(part.columns) and np.linalg.matrix_rank(x) == len(part.columns):
-                self.parts[name] = LinearPart(part.columns, tuple(float(c) for c in _fit(x, y, weight)))
+                self.parts[name] = LinearPart(part.columns, tuple(float(c) for c in _fit(x, y, part.columns, weight)))
         self._fitted = dict(self.parts)
 
     # --- cache ----------------------------------------------------------------------------------------
