@@ -131,6 +131,58 @@ def test_estimators_follow_a_step_change_and_the_choice_follows_within_bounded_s
         assert steps < 30, "the choice did not follow the shift"
 
 
+def _steps_until_drafting(est, rid: str, cost, idle_step, limit: int = 400) -> int:
+    """Engine steps in which nothing is verified (the controller chose k = 0) until the choice for a fresh
+    request, hysteresis included, drafts again."""
+    for steps in range(limit):
+        if choose_lengths([est.rates(rid, 8)], [8], cost, min_gain=0.10).ks[0] > 0:
+            return steps
+        idle_step()
+    raise AssertionError("the controller never drafted again")
+
+
+@pytest.mark.parametrize("name", ["request-beta", "position-beta", "first-position-beta"])
+def test_a_controller_that_stopped_drafting_drafts_again_after_its_evidence_ages(name):
+    """Chat taught that drafts fail, so the controller chose k = 0 for every request and saw no verification
+    again: without aging, traffic that shifted to code (which the draft predicts well) was never drafted for
+    (qwen2.5-coder-1.5b's adaptive EAGLE row after MT-Bench, HumanEval at k = 0 for all 498 steps:
+    benchmarks/results/proposer_zoo_qwen_zen5_eagle8_monotone.json)."""
+    est = make_estimator(name, prior=0.6)
+    rng = random.Random(2)
+    cost = linear_cost(1.0, 0.05)(1)
+    for i in range(100):
+        _verify(est, rng, f"chat{i // 10}", 0.05)
+        est.end_step()
+    assert choose_lengths([est.rates("code0", 8)], [8], cost, min_gain=0.10).ks == [0]
+    learnt = est.rates("code0", 8)
+    for _ in range(est.stale_after):  # not stale yet: nothing moves
+        est.end_step()
+    assert est.rates("code0", 8) == learnt
+    assert 0 < _steps_until_drafting(est, "code0", cost, est.end_step) < 200
+    for i in range(200):  # while verifications keep coming, their evidence rules: chat stays undrafted
+        _verify(est, rng, f"chat{i // 10}", 0.05)
+        est.end_step()
+    assert choose_lengths([est.rates("chat99", 8)], [8], cost, min_gain=0.10).ks == [0]
+
+
+def test_tree_ranks_age_to_their_prior_when_no_tree_holds_any_node():
+    """NodeRank's version of the trap: with every tree cut to 0 nodes, aging each rank towards its prior at the
+    global level (what partly held ranks do) kept them at chat's level, which the stale counts themselves
+    set. With rank 0 stale too, they age towards the prior itself."""
+    est = NodeRank(prior=0.6)
+    cost = linear_cost(1.0, 0.05)(1)
+    for i in range(100):  # chat: 8-node trees, nothing accepted but now and then the best node
+        est.observe_nodes(f"chat{i % 10}", 8, [0] if i % 10 == 0 else [])
+        est.end_step()
+    assert choose_lengths([est.rates("code0", 8)], [8], cost, min_gain=0.10).ks == [0]
+
+    def idle_step() -> None:  # a tree request given no nodes
+        est.observe_nodes("code0", 0, [])
+        est.end_step()
+
+    assert 0 < _steps_until_drafting(est, "code0", cost, idle_step) < 200
+
+
 def test_new_requests_start_from_the_global_prior():
     est = RequestBeta(prior=0.5)
     for _ in range(200):

@@ -90,14 +90,19 @@ class RequestBeta(AcceptanceEstimator):
     name = "request-beta"
 
     def __init__(self, prior: float = 0.6, prior_strength: float = 4.0, request_decay: float = 0.8,
-                 global_decay: float = 0.98) -> None:
+                 global_decay: float = 0.98, stale_after: int = 10) -> None:
         if not 0.0 < prior < 1.0:
             raise ValueError(f"acceptance prior must be in (0, 1), got {prior}")
+        self.prior = prior
         self.prior_strength = prior_strength
         self.request_decay = request_decay
         self.global_decay = global_decay
         self._global = _Counts(prior * prior_strength, (1 - prior) * prior_strength)
         self._requests: dict[str, _Counts] = {}
+        # engine steps in a row without a verification: past `stale_after`, the global evidence ages (end_step)
+        self.stale_after = stale_after
+        self._idle_steps = 0
+        self._observed = False
 
     @property
     def global_rate(self) -> float:
@@ -114,9 +119,25 @@ class RequestBeta(AcceptanceEstimator):
     def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         if num_draft <= 0:
             return
+        self._observed = True
         rejected = float(num_accepted < num_draft)
         self._requests.setdefault(request_id, _Counts()).add(num_accepted, rejected, self.request_decay)
         self._global.add(num_accepted, rejected, self.global_decay)
+
+    def end_step(self) -> None:
+        """A controller that chose k = 0 for every request sees no verification, so the rate that made it stop
+        would hold for good: traffic that shifts to text the draft predicts well (chat -> code) would never be
+        drafted for. After `stale_after` steps without one, the global evidence ages towards the prior at the
+        pace evidence decays, until the expected gain switches speculation back on and fresh verifications
+        decide (a probe every hundred-odd steps where drafting does not pay; tests/test_goodput.py)."""
+        self._idle_steps = 0 if self._observed else self._idle_steps + 1
+        self._observed = False
+        if self._idle_steps > self.stale_after:
+            self._global.age_towards(self.prior, self.prior_strength, self.global_decay)
+            self._age_unobserved()
+
+    def _age_unobserved(self) -> None:
+        """What else the estimator learnt globally ages with the global rate (PositionBeta: its positions)."""
 
     def free(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -167,6 +188,10 @@ class PositionBeta(RequestBeta):
         # evidence ages. Positions drafted but cut off by an earlier rejection keep theirs: deep positions are
         # rarely reached by nature, and aging them would wash their (low) rates out.
         for counts in self._positions[num_draft:]:
+            counts.add(0.0, 0.0, self.global_decay)
+
+    def _age_unobserved(self) -> None:
+        for counts in self._positions:  # towards the global rate, as positions past the draft do
             counts.add(0.0, 0.0, self.global_decay)
 
 
@@ -299,13 +324,18 @@ class NodeRank(AcceptanceEstimator):
         """Staleness counts engine steps: in a batch, one request's small tree says nothing about the ranks
         another request's larger tree held in the same step. A rank past every tree of `stale_after` steps in a
         row drifts towards its prior at the global level (ranks never verified keep their prior as it is)."""
+        self._chain.end_step()
         if self._step_nodes < 0:  # no tree request this step
             return
         level = None
         for j in range(self._span):
             self._unverified[j] = 0 if j < self._step_nodes else self._unverified[j] + 1
             if self._unverified[j] > self.stale_after:
-                level = self.global_level() if level is None else level
+                # with rank 0 stale no tree has held a node for that long: the global level is as stale as the
+                # ranks, and aging towards the level it measured would keep the ranks there for good (a
+                # controller that stopped drafting on chat never drafted again on code: RequestBeta.end_step)
+                stale_level = self._unverified[0] > self.stale_after
+                level = (1.0 if stale_level else self.global_level()) if level is None else level
                 self._ranks[j].age_towards(_clamp(level * self._prior_rate(j)), self.prior_strength,
                                            self.global_decay)
         self._step_nodes = -1
