@@ -60,6 +60,32 @@ def test_eagle_training_pipeline(plain, tmp_path, monkeypatch):
     assert draft.config.depth == 2 and draft.config.window == 16 and extra["prompts"] == 4
     assert plain.engine.loaded.model.capture_layers == ()  # features were captured only while collecting them
 
+    # fine-tuning it (--init) on the target's own answers to code prompts: same vocabulary, new weights, and the
+    # starting point's score on the new held-out set is reported next to the result's
+    from turbospec.bench.prompts import load_sharegpt_exchanges
+    from turbospec.spec.dart import file_sha256
+    from turbospec.spec.head_training import CONVERSATIONS_STOP, PROMPT_SKIP, distillation_answers
+
+    tuned_opts = TrainHeadOptions("eagle", num_heads=2, num_prompts=3, max_tokens=10, budget_minutes=5, epochs=1,
+                                  batch_size=8, generate_batch=3, code_only=True,
+                                  init=str(tmp_path / "eagle.safetensors"))
+    tuned_report = train_eagle(plain.engine, tuned_opts, tmp_path / "tuned.safetensors", progress=False)
+    tuned, tuned_extra = EagleDraft.load(tmp_path / "tuned.safetensors")
+    assert torch.equal(tuned.vocab, draft.vocab) and not torch.equal(tuned.qkv.weight, draft.qkv.weight)
+    assert tuned_extra["init"] == tuned_report["init"]
+    assert tuned_report["init"]["sha256"] == file_sha256(tmp_path / "eagle.safetensors")
+    assert len(tuned_report["init"]["heldout_top1_accuracy"]) == 2
+    prompts = [p for p, _ in load_sharegpt_exchanges(3, PROMPT_SKIP, CONVERSATIONS_STOP, max_chars=1500,
+                                                     code_only=True)]
+    tok = plain.engine.tokenizer
+    answered = distillation_answers(plain.engine, tuned_opts, progress=False)  # cached: the same sequences
+    assert [ids[:plen] for ids, plen in answered] == [tok.apply_chat_template([{"role": "user", "content": p}])
+                                                      for p in prompts]
+    assert (work_dir(MODEL) / f"answers-{PROMPT_SKIP}-10-code.jsonl").exists()
+    with pytest.raises(ValueError, match="trained for smollm2-135m .*depth 2.*needs smollm2-135m .*, 16, 3"):
+        train_eagle(plain.engine, TrainHeadOptions("eagle", num_heads=3, num_prompts=3, max_tokens=10, code_only=True,
+                                                   init=str(tmp_path / "eagle.safetensors")), tmp_path / "x", False)
+
 
 def test_eagle_conversation_labels_are_the_targets_greedy_choices(plain, tmp_path, monkeypatch):
     """--data conversations: ShareGPT's recorded answers read teacher-forced; each position's label is what the
@@ -86,14 +112,14 @@ def test_eagle_conversation_labels_are_the_targets_greedy_choices(plain, tmp_pat
         assert int(choices[j - first]) == want
 
 
-def test_conversations_are_refused_for_heads_and_code_only_needs_them():
+def test_conversations_and_init_are_refused_for_heads():
     with pytest.raises(ValueError, match="--data conversations trains --method eagle or dart only"):
         TrainHeadOptions("medusa", data="conversations")  # the library refuses it too, not only the CLI
     with pytest.raises(ValueError, match="data must be one of answers, conversations"):
         TrainHeadOptions("eagle", data="chats")
     for flags, message in ((["--method", "hydra", "--data", "conversations"], "--data conversations trains --method "
-                            "eagle or dart only"), (["--method", "eagle", "--code-only"], "--code-only applies to --data "
-                                            "conversations only")):
+                            "eagle or dart only"), (["--method", "hydra", "--init", "x"], "--init applies to --method "
+                                            "eagle only")):
         run = subprocess.run([sys.executable, "-m", "turbospec.cli", "train-head", "--model", MODEL, *flags],
                              capture_output=True, text=True, timeout=300)
         assert run.returncode == 2 and message in run.stderr, run.stderr

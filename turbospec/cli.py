@@ -144,7 +144,11 @@ def _parser() -> argparse.ArgumentParser:
                          "(eagle only): ShareGPT's recorded answers read teacher-forced, labelled with the target's "
                          "greedy choices (no generation: several times more positions per CPU second)")
     th.add_argument("--code-only", action="store_true",
-                    help="conversations: only those whose answer holds a fenced code block (for code models)")
+                    help="only ShareGPT first turns whose recorded answer holds a fenced code block (for code "
+                         "models): with --data conversations that answer is read, with answers the target answers")
+    th.add_argument("--init", default=None,
+                    help="eagle: fine-tune this trained EAGLE file (its weights and draft vocabulary) instead of "
+                         "starting from scratch")
     th.add_argument("--dtype", default="bfloat16", help="the target's dtype while answering")
     _weight_format_flag(th)
     th.add_argument("--num-threads", type=int, default=None)
@@ -291,7 +295,8 @@ def _train_head(args: argparse.Namespace) -> int:
                 raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
         opts = TrainHeadOptions(args.method, args.num_heads, args.num_prompts, args.max_tokens, args.draft_vocab,
                                 args.budget_minutes, args.epochs, args.batch_size, args.lr, data=args.data,
-                                code_only=args.code_only, train_sequences=args.train_sequences)
+                                code_only=args.code_only, train_sequences=args.train_sequences,
+                                init=args.init or "")
         if args.base is not None and args.method != "dart":
             raise ValueError("--base applies to --method dart only")
         base = Path(args.base) if args.base else head_path(args.model, "eagle")

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..runner import SeqInput
+from .dart import file_sha256
 from .eagle import EagleConfig, EagleDraft, default_feature_layers
 from .head_training import (
     IGNORE,
@@ -150,6 +151,26 @@ def _batch_loss(draft: EagleDraft, flat: FlatExamples, batch: list[tuple[int, in
     return torch.stack(losses), torch.stack(hits)
 
 
+def heldout_accuracy(draft: EagleDraft, held_out: FlatExamples, depth: int, remap: torch.Tensor) -> list[float]:
+    """Top-1 accuracy per draft step over every held-out example (a label outside the vocabulary is a miss)."""
+    with torch.no_grad():
+        _, hits = _batch_loss(draft, held_out, held_out.examples, WINDOW, depth, remap)
+    return [round(float(h) / max(1, len(held_out.examples)), 4) for h in hits]
+
+
+def initial_draft(path: Path, model: str, layers: list[int], depth: int) -> EagleDraft:
+    """A trained EAGLE file to fine-tune (--init): it must be this target's, with the same feature layers, window
+    and depth, and it keeps its draft vocabulary (its LM-head rows are what its outputs were trained against)."""
+    if not path.exists():
+        raise ValueError(f"--init {path}: no such EAGLE file")
+    draft, _ = EagleDraft.load(path)
+    cfg = draft.config
+    if (cfg.model, list(cfg.feature_layers), cfg.window, cfg.depth) != (model, layers, WINDOW, depth):
+        raise ValueError(f"--init {path} was trained for {cfg.model} (feature layers {cfg.feature_layers}, window "
+                         f"{cfg.window}, depth {cfg.depth}); this run needs {model} ({layers}, {WINDOW}, {depth})")
+    return draft.requires_grad_(True)
+
+
 def train_eagle(engine: LLMEngine, opts: TrainHeadOptions, out_path: Path, resume: bool = False,
                 progress: bool = True) -> dict[str, object]:
     torch.manual_seed(opts.seed)
@@ -163,13 +184,21 @@ def train_eagle(engine: LLMEngine, opts: TrainHeadOptions, out_path: Path, resum
     depth = opts.num_heads
     train = _examples(split.train, feats[: len(split.train)], WINDOW)
     held_out = _examples(split.held_out, feats[len(split.train):], WINDOW)
-    vocab, remap = choice_vocabulary(train, opts.draft_vocab, cfg.vocab_size)
-
     h = cfg.hidden_size
-    config = EagleConfig(h, layers, max(16, h // 4), 256, 512, WINDOW, depth, engine.config.model, cfg.vocab_size)
     model = engine.loaded.model
-    draft = EagleDraft(config, vocab)
+    init: dict[str, object] | None = None
+    if opts.init:
+        draft = initial_draft(Path(opts.init), engine.config.model, layers, depth)
+        vocab, remap = draft.vocab, vocab_remap(draft.vocab, cfg.vocab_size)
+    else:
+        vocab, remap = choice_vocabulary(train, opts.draft_vocab, cfg.vocab_size)
+        config = EagleConfig(h, layers, max(16, h // 4), 256, 512, WINDOW, depth, engine.config.model,
+                             cfg.vocab_size)
+        draft = EagleDraft(config, vocab)
     draft.attach(model.lm_head_weight.float(), model.embed.weight.float())
+    if opts.init:  # what the starting point scores on this held-out set: the gain fine-tuning made
+        init = {"file": Path(opts.init).name, "sha256": file_sha256(Path(opts.init)),
+                "heldout_top1_accuracy": heldout_accuracy(draft, held_out, depth, remap)}
     widths = random.Random(opts.seed)
 
     def loss_of(batch: list[int], step: int) -> torch.Tensor:
@@ -180,20 +209,20 @@ def train_eagle(engine: LLMEngine, opts: TrainHeadOptions, out_path: Path, resum
     step, total_steps, losses, train_s = train_loop(
         draft, opts, len(train.examples), work_dir(engine.config.model) / "checkpoint-eagle.pt", resume, loss_of,
         "training eagle draft", progress)
-    with torch.no_grad():
-        _, hits = _batch_loss(draft, held_out, held_out.examples, WINDOW, depth, remap)
-        t = torch.tensor([e[0] for e in held_out.examples], dtype=torch.long)
-        coverage = float((remap[held_out.choice[t + 1]] >= 0).float().mean()) if len(t) else 0.0
-    accuracy = (hits.float() / max(1, len(held_out.examples))).tolist()
+    accuracy = heldout_accuracy(draft, held_out, depth, remap)
+    t = torch.tensor([e[0] for e in held_out.examples], dtype=torch.long)
+    coverage = float((remap[held_out.choice[t + 1]] >= 0).float().mean()) if len(t) else 0.0
     report = {
         "options": asdict(opts), "steps": step, "total_steps": total_steps,
         "final_loss": losses[-1] if losses else None,
-        "heldout_top1_accuracy": [round(a, 4) for a in accuracy], "draft_vocab_coverage": round(coverage, 4),
+        "heldout_top1_accuracy": accuracy, "draft_vocab_coverage": round(coverage, 4),
         "train_positions": len(train.examples), "eval_positions": len(held_out.examples), "prompts": n_seqs,
         "feature_layers": layers, "window": WINDOW,
         "seconds": round(time.perf_counter() - started, 1), "train_seconds": round(train_s, 1),
         "data": data_description(opts, n_seqs),
         "complete": step >= total_steps,
     }
+    if init is not None:
+        report["init"] = init
     draft.save(out_path, report)
     return report

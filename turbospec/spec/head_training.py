@@ -66,7 +66,10 @@ class TrainHeadOptions:
     # only): ShareGPT's own answers, teacher-forced, labelled with the target's greedy choice at each position
     # (one forward per conversation: several times more positions per CPU second here)
     data: str = "answers"
-    code_only: bool = False  # conversations: only answers holding a fenced code block
+    # only ShareGPT first turns whose recorded answer holds a fenced code block (for code models): with
+    # "conversations" that recorded answer is read, with "answers" the target answers the prompt itself
+    code_only: bool = False
+    init: str = ""  # EAGLE: start from this draft file's weights and draft vocabulary (fine-tuning)
     train_sequences: int = 0  # DART: train on the first N training sequences only (0: all); the split is unchanged
 
     def __post_init__(self) -> None:
@@ -80,8 +83,8 @@ class TrainHeadOptions:
             raise ValueError(f"--train-sequences must be >= 0 (0: all), got {self.train_sequences}")
         if self.train_sequences and self.method != "dart":
             raise ValueError("--train-sequences applies to --method dart only")
-        if self.code_only and self.data != "conversations":
-            raise ValueError("--code-only applies to --data conversations only")
+        if self.init and self.method != "eagle":
+            raise ValueError("--init applies to --method eagle only (dart adapts its --base)")
 
 
 def work_dir(model: str) -> Path:
@@ -100,6 +103,9 @@ def distillation_set(engine: LLMEngine, opts: TrainHeadOptions, progress: bool =
 
 
 def data_description(opts: TrainHeadOptions, count: int) -> str:
+    if opts.data == "answers" and opts.code_only:
+        return (f"{count} sharegpt[{PROMPT_SKIP}:{CONVERSATIONS_STOP}] first turns whose recorded answer holds a code "
+                f"block, the target's greedy answers (at most {opts.max_tokens} tokens each)")
     if opts.data == "answers":
         return f"sharegpt[{PROMPT_SKIP}:{PROMPT_SKIP + count}] first turns, the target's greedy answers"
     return (f"{count} sharegpt[{PROMPT_SKIP}:{CONVERSATIONS_STOP}] first turns with their recorded answers"
@@ -129,18 +135,23 @@ def conversation_sequences(engine: LLMEngine, opts: TrainHeadOptions) -> list[tu
 def distillation_answers(engine: LLMEngine, opts: TrainHeadOptions, progress: bool = True
                          ) -> list[tuple[list[int], int]]:
     """(prompt + answer ids, prompt length) per prompt; cached and resumable."""
-    from ..bench.prompts import load_sharegpt
+    from ..bench.prompts import load_sharegpt, load_sharegpt_exchanges
 
-    path = work_dir(engine.config.model) / f"answers-{PROMPT_SKIP}-{opts.max_tokens}.jsonl"
+    code = "-code" if opts.code_only else ""
+    path = work_dir(engine.config.model) / f"answers-{PROMPT_SKIP}-{opts.max_tokens}{code}.jsonl"
     done: list[tuple[list[int], int]] = []
     if path.exists():
         done = [tuple(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]  # type: ignore[misc]
     if len(done) >= opts.num_prompts:
         return done[: opts.num_prompts]
-    prompts = load_sharegpt(opts.num_prompts, max_chars=1500, skip=PROMPT_SKIP)
+    if opts.code_only:
+        texts = [prompt for prompt, _ in load_sharegpt_exchanges(opts.num_prompts, PROMPT_SKIP, CONVERSATIONS_STOP,
+                                                                 max_chars=1500, code_only=True)]
+    else:
+        texts = [p.text for p in load_sharegpt(opts.num_prompts, max_chars=1500, skip=PROMPT_SKIP)]
     tok = engine.tokenizer
-    ids = [tok.apply_chat_template([{"role": "user", "content": p.text}]) if getattr(tok, "has_chat_template", False)
-           else tok.encode(p.text) for p in prompts]
+    ids = [tok.apply_chat_template([{"role": "user", "content": t}]) if getattr(tok, "has_chat_template", False)
+           else tok.encode(t) for t in texts]
     params = SamplingParams(temperature=0, max_tokens=opts.max_tokens)
     path.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=len(ids), initial=len(done), desc="target answers", unit="prompt", disable=not progress)
