@@ -466,7 +466,7 @@ class LLMEngine:
             s.request.spec_draft_probs = d.probs
             s.request.spec_draft_soft, s.request.spec_draft_entropy = d.soft_probs, d.entropies or []
         drafting = sum(1 for d in drafts if d.tokens) if self.proposer.needs_hidden else 0
-        levels = min(self.proposer.tree_levels, max(s.num_spec_tokens for s in spec)) if drafting else 0
+        levels = self.proposer.draft_levels(max(s.num_spec_tokens for s in spec)) if drafting else 0
         return draft_tokens, drafting, levels
 
     def _update(self, sched: SchedulerOutput, out: ModelOutput) -> list[RequestOutput]:

@@ -331,11 +331,11 @@ class NodeRank(AcceptanceEstimator):
         for j in range(self._span):
             self._unverified[j] = 0 if j < self._step_nodes else self._unverified[j] + 1
             if self._unverified[j] > self.stale_after:
-                # with rank 0 stale no tree has held a node for that long: the global level is as stale as the
-                # ranks, and aging towards the level it measured would keep the ranks there for good (a
-                # controller that stopped drafting on chat never drafted again on code: RequestBeta.end_step)
-                stale_level = self._unverified[0] > self.stale_after
-                level = (1.0 if stale_level else self.global_level()) if level is None else level
+                if level is None:
+                    # with rank 0 stale no tree has held a node for that long: the global level is as stale as
+                    # the ranks, and aging towards the level it measured would keep them there for good (a
+                    # controller that stopped drafting on chat never drafted again on code: RequestBeta.end_step)
+                    level = 1.0 if self._unverified[0] > self.stale_after else self.global_level()
                 self._ranks[j].age_towards(_clamp(level * self._prior_rate(j)), self.prior_strength,
                                            self.global_decay)
         self._step_nodes = -1

@@ -80,8 +80,7 @@ class TreeDrafter(Proposer):
         trees: dict[int, list[_Node]] = {i: [] for i in live}
         wide = {i: accepts_trees(requests[i]) for i in live}
         frontier = {i: [-1] for i in live}  # node indices to expand at the current depth (-1: the root)
-        # a tree of k nodes is at most k levels deep: levels past the largest k would never be kept
-        for depth in range(min(self.depth, max((num_tokens[i] for i in live), default=0))):
+        for depth in range(self.draft_levels(max((num_tokens[i] for i in live), default=0))):
             rows = [(i, n) for i in live for n in frontier[i]]
             if not rows:
                 break

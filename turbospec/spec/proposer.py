@@ -40,6 +40,11 @@ class Proposer(ABC):
     # a tree drafter's deepest level: it grows trees level by level, min(this, k) passes (0: not a tree drafter)
     tree_levels = 0
 
+    def draft_levels(self, max_k: int) -> int:
+        """The levels a tree drafter grows for a step whose largest k is max_k: a tree of k nodes is at most k
+        levels deep, so levels past it would never be kept (the step-time model's `draft_levels` feature)."""
+        return min(self.tree_levels, max_k)
+
     @abstractmethod
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Draft]:
         """Draft at most num_tokens[i] tokens for requests[i] (fewer, even none, is allowed)."""
