@@ -119,7 +119,8 @@ def test_conversations_and_init_are_refused_for_heads():
         TrainHeadOptions("eagle", data="chats")
     for flags, message in ((["--method", "hydra", "--data", "conversations"], "--data conversations trains --method "
                             "eagle or dart only"), (["--method", "hydra", "--init", "x"], "--init applies to --method "
-                                            "eagle only")):
+                                            "eagle only"), (["--method", "eagle", "--init", "missing.safetensors"],
+                                                            "--init missing.safetensors: no such EAGLE file")):
         run = subprocess.run([sys.executable, "-m", "turbospec.cli", "train-head", "--model", MODEL, *flags],
                              capture_output=True, text=True, timeout=300)
         assert run.returncode == 2 and message in run.stderr, run.stderr

@@ -161,8 +161,6 @@ def heldout_accuracy(draft: EagleDraft, held_out: FlatExamples, depth: int, rema
 def initial_draft(path: Path, model: str, layers: list[int], depth: int) -> EagleDraft:
     """A trained EAGLE file to fine-tune (--init): it must be this target's, with the same feature layers, window
     and depth, and it keeps its draft vocabulary (its LM-head rows are what its outputs were trained against)."""
-    if not path.exists():
-        raise ValueError(f"--init {path}: no such EAGLE file")
     draft, _ = EagleDraft.load(path)
     cfg = draft.config
     if (cfg.model, list(cfg.feature_layers), cfg.window, cfg.depth) != (model, layers, WINDOW, depth):

@@ -85,6 +85,8 @@ class TrainHeadOptions:
             raise ValueError("--train-sequences applies to --method dart only")
         if self.init and self.method != "eagle":
             raise ValueError("--init applies to --method eagle only (dart adapts its --base)")
+        if self.init and not Path(self.init).is_file():  # before the target loads, not after its answers
+            raise ValueError(f"--init {self.init}: no such EAGLE file")
 
 
 def work_dir(model: str) -> Path:
