@@ -38,7 +38,7 @@ from turbospec.bench.humaneval import (
     check_completion,
     load_humaneval,
 )
-from turbospec.bench.machine import benchmark_meta, save_results
+from turbospec.bench.machine import benchmark_meta, header_lines, save_results
 from turbospec.models.registry import pull
 
 POLICIES = ("typical", "adasd", "adasd-generation", "adasd-verification")
@@ -157,8 +157,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = [
         "# Lossy acceptance: HumanEval pass@1 (executed) against speed",
         "",
-        f"- command: `{meta['command']}`", f"- machine: {meta['machine']}, {meta['threads']} threads, torch {meta['torch']}",
-        f"- date: {meta['date']}, commit {meta['commit']}",
+        *header_lines(meta),
         (f"- target `{meta['target']}`, draft `{meta['draft']}`, {meta['dtype']}; greedy, single stream, k = {meta['k']} "
          f"for every speculative row; the first {meta['tasks']} HumanEval tasks (a fixed subset, the same for every "
          f"row), answers pre-filled with the task prompt, stopped at the closing code fence, at most "

@@ -107,9 +107,10 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def markdown(meta: dict[str, Any], ops: list[dict[str, Any]], runs: list[dict[str, Any]]) -> str:
+    from turbospec.bench.machine import header_lines  # here: the --worker processes need none of turbospec
+
     lines = ["# Our bf16 matmul (kernels/bf16_rows.cpp) against torch's", "",
-             f"- command: `{meta['command']}`", f"- machine: {meta['machine']}, {meta['threads']} threads, "
-             f"torch {meta['torch']}", f"- date: {meta['date']}, commit {meta['commit']}", "",
+             *header_lines(meta), "",
              "## The operator alone (fastest of 3 calls, ms)", "",
              "| shape (out x in) | " + " | ".join(f"{m} rows" for m in ROWS) + " |",
              "|---|" + "---|" * len(ROWS)]

@@ -28,7 +28,7 @@ from proposer_zoo import datasets  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from turbospec import LLM, SamplingParams  # noqa: E402
-from turbospec.bench.machine import benchmark_meta, save_results  # noqa: E402
+from turbospec.bench.machine import benchmark_meta, header_lines, save_results  # noqa: E402
 
 
 def main() -> None:
@@ -71,9 +71,7 @@ def main() -> None:
         rows.append(row)
     meta = benchmark_meta(args.threads, model=args.model, prompts=args.prompts, max_tokens=args.max_tokens)
     lines = ["# DART's n-gram term: tau by n-gram weight (the committed draft, same prompts)", "",
-             f"- command: `{meta['command']}`",
-             f"- machine: {meta['machine']}, {meta['threads']} threads, torch {meta['torch']}",
-             f"- date: {meta['date']}, commit {meta['commit']}",
+             *header_lines(meta),
              f"- {args.model}, float32, greedy, 8-node trees, {args.prompts} MT-Bench first turns and {args.prompts} "
              f"HumanEval tasks, at most {args.max_tokens} tokens; weight 0 is the draft's probabilities alone", "",
              "| n-gram weight | MT-Bench tau | accepted at positions 1-4 | tok/s | HumanEval tau | accepted at "

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from turbospec import LLM, SamplingParams
 from turbospec.bench.eagle_reference import RecomputingEagleProposer
 from turbospec.bench.humaneval import answer_prefix, chat_messages, load_humaneval
-from turbospec.bench.machine import benchmark_meta, save_results
+from turbospec.bench.machine import benchmark_meta, header_lines, save_results
 from turbospec.spec.head_proposer import EagleProposer
 
 PROPOSERS = ("kept entries", "recomputed")
@@ -102,9 +102,7 @@ def main() -> None:
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = [
         "# EAGLE drafting time per step: each tree node's entry kept, or the window and path recomputed", "",
-        f"- command: `{meta['command']}`",
-        f"- machine: {meta['machine']}, {meta['threads']} threads, torch {meta['torch']}",
-        f"- date: {meta['date']}, commit {meta['commit']}",
+        *header_lines(meta),
         f"- {meta['model']}, bf16, greedy, batch 1, the first {meta['prompts']} HumanEval tasks, at most "
         f"{meta['max_tokens']} tokens, fixed tree sizes, draft depth {meta['depth']}; the two proposers took turns "
         "prompt by prompt on one engine; mean milliseconds per step that drafted", "",

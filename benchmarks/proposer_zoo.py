@@ -39,7 +39,7 @@ from tqdm import tqdm
 from turbospec import LLM, SamplingParams
 from turbospec.bench.humaneval import answer_prefix, load_humaneval
 from turbospec.bench.humaneval import chat_messages as humaneval_messages
-from turbospec.bench.machine import benchmark_meta, save_results
+from turbospec.bench.machine import benchmark_meta, header_lines, save_results
 from turbospec.bench.prompts import load_mtbench
 from turbospec.models.registry import pull
 
@@ -178,9 +178,7 @@ LABELS = {"plain": "plain (turbospec)", "sps": "SPS (draft model)", "pld": "PLD 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = [
         "# The proposer zoo: single-stream greedy speedups (seed 003's table, on this CPU)", "",
-        f"- command: `{meta['command']}`",
-        f"- machine: {meta['machine']}, {meta['threads']} threads, torch {meta['torch']}",
-        f"- date: {meta['date']}, commit {meta['commit']}",
+        *header_lines(meta),
         (f"- {meta['dtype']} (weight format {meta.get('weight_format', 'bf16')}), greedy, batch 1, chat template, at "
          f"most {meta['max_tokens']} tokens; the first N "
          f"MT-Bench first turns and the first N HumanEval tasks (prompt pre-filled in a code fence), N per model: "

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from turbospec import LLM, SamplingParams
 from turbospec.bench.humaneval import answer_prefix, chat_messages, load_humaneval
-from turbospec.bench.machine import benchmark_meta, save_results
+from turbospec.bench.machine import benchmark_meta, header_lines, save_results
 
 KS = (0, 1, 2, 4, 6, 8)
 
@@ -61,8 +61,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     base = rows[0]
     lines = ["# Served step time by draft length, measured and as the step-time profile predicts it", "",
-             f"- command: `{meta['command']}`", f"- machine: {meta['machine']}, {meta['threads']} threads, "
-             f"torch {meta['torch']}", f"- date: {meta['date']}, commit {meta['commit']}",
+             *header_lines(meta),
              f"- {meta['model']} bf16, {meta['method']} drafts, one request, HumanEval prompts 1-{meta['prompts']}, "
              f"{meta['rounds']} rounds of {meta['steps']} steps per k per prompt; medians", "",
              "| k | steps | measured ms | over k = 0 | predicted ms | over k = 0 |", "|---|---|---|---|---|---|"]

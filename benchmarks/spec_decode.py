@@ -18,8 +18,6 @@ import argparse
 import gc
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,7 @@ from typing import Any
 import torch
 
 from turbospec import LLM, SamplingParams
-from turbospec.control.profiler import hardware_name
+from turbospec.bench.machine import benchmark_meta, header_lines
 from turbospec.bench.prompts import BenchPrompt, load_mtbench, load_prompts
 from turbospec.models.registry import gguf_path, pull
 
@@ -134,8 +132,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = [
         "# Speculative decoding, single stream (Spec-Bench protocol)", "",
-        f"- command: `{meta['command']}`", f"- machine: {meta['machine']}, {meta['threads']} threads, torch {meta['torch']}",
-        f"- date: {meta['date']}, commit {meta['commit']}",
+        *header_lines(meta),
         f"- target `{meta['target']}` {meta['dtype']}, draft `{meta['draft']}`; greedy, chat template, "
         f"max {meta['max_tokens']} new tokens; {meta['counts']}", "",
         "| dataset | engine | method | tok/s | speedup | tau | acceptance by position | = plain |",
@@ -179,13 +176,9 @@ def main() -> None:
     if not args.skip_hf:
         rows += run_hf(args, datasets)
     rows = summarise(rows)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    cpu = hardware_name("cpu")
-    meta = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": f"{cpu}, {os.cpu_count()} CPUs",
-            "threads": args.threads, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "commit": commit, "target": args.target, "draft": args.draft, "dtype": args.dtype,
-            "max_tokens": args.max_tokens,
-            "counts": f"{args.humaneval} HumanEval prompts, {args.mtbench} MT-Bench first turns"}
+    meta = benchmark_meta(args.threads, target=args.target, draft=args.draft, dtype=args.dtype,
+                          max_tokens=args.max_tokens,
+                          counts=f"{args.humaneval} HumanEval prompts, {args.mtbench} MT-Bench first turns")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from turbospec.bench.machine import cpu_description, source_commit
+from turbospec.bench.machine import cpu_description, header_lines, source_commit
 from turbospec.control.profiler import hardware_name
 
 
@@ -35,3 +35,20 @@ def test_the_commit_is_marked_when_tracked_files_changed(tmp_path, monkeypatch):
     assert source_commit() == head
     (tmp_path / "a.py").write_text("x = 2\n")
     assert source_commit() == f"{head} + uncommitted changes"
+
+
+@pytest.mark.parametrize("script, result", [("proposer_zoo", "proposer_zoo_qwen_zen5_eagle8_tuned10"),
+                                            ("eagle_draft_cost", "eagle_draft_cost")])
+def test_committed_results_render_again_from_their_json(script, result):
+    """The benchmarks' markdown (with the shared header_lines) is what the committed .md files hold."""
+    import importlib.util
+    import json
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location(script, root / "benchmarks" / f"{script}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    data = json.loads((root / "benchmarks" / "results" / f"{result}.json").read_text())
+    table = module.markdown(data["meta"], data["rows"])
+    assert table.strip() == (root / "benchmarks" / "results" / f"{result}.md").read_text().strip()
+    assert header_lines(data["meta"])[0] in table

@@ -63,6 +63,12 @@ def benchmark_meta(threads: int, **extra: Any) -> dict[str, Any]:
             "date": where["date"], "commit": where["commit"], **extra}
 
 
+def header_lines(meta: dict[str, Any]) -> list[str]:
+    """The markdown lines a committed result opens with: the command, the machine, the date and commit."""
+    return [f"- command: `{meta['command']}`", f"- machine: {meta['machine']}, {meta['threads']} threads, torch "
+            f"{meta['torch']}", f"- date: {meta['date']}, commit {meta['commit']}"]
+
+
 def save_results(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]], table: str) -> None:
     """OUT.json (meta + rows) and OUT.md (the table); drops the OUT.partial.json a resumable run kept."""
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
