@@ -18,8 +18,9 @@ import numpy as np
 def is_free(column: str) -> bool:
     """Columns left unconstrained: the intercept "one", and "drafting" (a draft pass at all, whose fitted offset
     may be negative next to a per-level slope). Every other column is work, jumps included: the measured jump
-    where packed linears turn dense was a step up (tests/test_goodput.py), and a free jump let a noisy profile
-    price 9 tokens 13 ms below 8 (qwen2.5-coder-1.5b, EAGLE, AMD EPYC, a re-profile on a busy machine)."""
+    where packed linears turn dense was a step up (tests/test_goodput.py), and a step down is the dip this
+    module exists to forbid (left free, a noisy re-profile fitted one at 9 tokens: ad hoc, that profile was not
+    kept)."""
     return column in ("one", "drafting")
 
 
