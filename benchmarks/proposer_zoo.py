@@ -90,6 +90,7 @@ def run_turbospec(args: argparse.Namespace, model: str, specs: dict[str, dict[st
     for name, prompts in data.items():
         outputs: dict[str, list[list[int]]] = {row: [] for row in llms}
         seconds = dict.fromkeys(llms, 0.0)
+        first_token = dict.fromkeys(llms, 0.0)  # prefill: from arrival to the first token, per row
         for llm in llms.values():
             llm.engine.reset_spec_stats()
         bar = tqdm(prompts, desc=f"{model} {'+'.join(llms)} {name}", unit="prompt")
@@ -98,11 +99,13 @@ def run_turbospec(args: argparse.Namespace, model: str, specs: dict[str, dict[st
                 start = time.perf_counter()
                 out = llms[row].generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
                 seconds[row] += time.perf_counter() - start
+                first_token[row] += out.metrics.first_token_time - out.metrics.arrival_time
                 outputs[row].append(out.outputs[0].token_ids)
             bar.set_postfix({f"{row} tok/s": f"{sum(map(len, outputs[row])) / seconds[row]:.2f}" for row in llms})
         for row, llm in llms.items():
             stats = llm.spec_stats()
             results[row]["sets"][name] = {"outputs": outputs[row], "seconds": seconds[row],
+                                          "first_token_seconds": first_token[row],
                                           "tokens": sum(map(len, outputs[row])),
                                           "tau": stats.get("mean_accepted_length") or None,
                                           "mean_k": stats.get("mean_k"), "k_histogram": stats.get("k_histogram"),
@@ -163,6 +166,33 @@ def summarise(rows: list[dict[str, Any]]) -> None:
             s["tok_s"] = s["tokens"] / s["seconds"]
             s["speedup"] = s["tok_s"] / (base["tokens"] / base["seconds"])
             s["matches_plain"] = sum(a == b for a, b in zip(s["outputs"], base["outputs"])) / len(base["outputs"])
+            if "first_token_seconds" in s and "first_token_seconds" in base:
+                s["after_first_speedup"] = _after_first_rate(s) / _after_first_rate(base)
+
+
+def _after_first_rate(s: dict[str, Any]) -> float:
+    """Tokens per second after each prompt's first token: the decoding that speculation speeds up, without the
+    prefill that every row pays alike."""
+    return (s["tokens"] - len(s["outputs"])) / (s["seconds"] - s["first_token_seconds"])
+
+
+def _after_first_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Per model: plain's share of time before the first token (prefill) and each speculative row's speedup after
+    it (results since 2026-12-03 record the first token's time)."""
+    lines = []
+    for plain in (r for r in rows if r["row"] == "plain" and "sets" in r):
+        sets = plain["sets"]
+        if not all("first_token_seconds" in s for s in sets.values()):
+            continue
+        share = ", ".join(f"{n} {s['first_token_seconds'] / s['seconds']:.0%}" for n, s in sets.items())
+        rows_after = [f"{r['row']} " + " / ".join(f"{s['after_first_speedup']:.2f}x" for s in r["sets"].values())
+                      for r in rows if r["model"] == plain["model"] and r["engine"] == "turbospec" and "sets" in r
+                      and r["row"] not in ("plain", "plain-alongside")
+                      and all("after_first_speedup" in s for s in r["sets"].values())]
+        lines.append(f"- {plain['model']}: plain spent {share} of its time before each prompt's first token (prefill, "
+                     f"paid alike by every row); speedup after the first token, {' / '.join(sets)}: "
+                     f"{'; '.join(rows_after)}")
+    return lines
 
 
 LABELS = {"plain": "plain (turbospec)", "sps": "SPS (draft model)", "pld": "PLD (prompt lookup)",
@@ -202,6 +232,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         label = LABELS[r["row"]] + (f" ({r['best']})" if r.get("best") else "")
         lines.append(f"| {r['model']} | {label} | {' | '.join(cells)} | {same:.2f} |")
     lines.append("")
+    lines += _after_first_lines(rows)
     for adaptive in (r for r in rows if r["row"] == "adaptive" and "sets" in r):
         for other, what in (("best-fixed-alongside", f"the best fixed row ({adaptive.get('best')})"),
                             ("plain-alongside", "plain decoding")):

@@ -37,17 +37,43 @@ def test_the_commit_is_marked_when_tracked_files_changed(tmp_path, monkeypatch):
     assert source_commit() == f"{head} + uncommitted changes"
 
 
-@pytest.mark.parametrize("script, result", [("proposer_zoo", "proposer_zoo_qwen_zen5_eagle8_tuned10"),
-                                            ("eagle_draft_cost", "eagle_draft_cost")])
-def test_committed_results_render_again_from_their_json(script, result):
-    """The benchmarks' markdown (with the shared header_lines) is what the committed .md files hold."""
+def _load_script(script: str):
     import importlib.util
-    import json
 
     root = Path(__file__).resolve().parent.parent
     spec = importlib.util.spec_from_file_location(script, root / "benchmarks" / f"{script}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_zoo_speedup_after_the_first_token_leaves_prefill_out():
+    """Plain: 2 prompts, 10 s of which 4 before the first tokens, 22 tokens (20 after the first ones): 20 / 6 tok/s.
+    A row twice as fast after the first token but with the same prefill: 20 tokens after in 3 s, 7 s in all."""
+    zoo = _load_script("proposer_zoo")
+
+    def row(name, seconds, first):
+        s = {"outputs": [[1] * 11, [2] * 11], "tokens": 22, "seconds": seconds, "first_token_seconds": first,
+             "tau": 2.0}
+        return {"model": "m", "row": name, "engine": "turbospec", "sets": {"humaneval": s}}
+
+    rows = [row("plain", 10.0, 4.0), row("eagle", 7.0, 4.0)]
+    zoo.summarise(rows)
+    eagle = rows[1]["sets"]["humaneval"]
+    assert eagle["speedup"] == pytest.approx(10 / 7) and eagle["after_first_speedup"] == pytest.approx(2.0)
+    assert zoo._after_first_lines(rows) == [
+        "- m: plain spent humaneval 40% of its time before each prompt's first token (prefill, paid alike by every "
+        "row); speedup after the first token, humaneval: eagle 2.00x"]
+
+
+@pytest.mark.parametrize("script, result", [("proposer_zoo", "proposer_zoo_qwen_zen5_eagle8_tuned10"),
+                                            ("eagle_draft_cost", "eagle_draft_cost")])
+def test_committed_results_render_again_from_their_json(script, result):
+    """The benchmarks' markdown (with the shared header_lines) is what the committed .md files hold."""
+    import json
+
+    root = Path(__file__).resolve().parent.parent
+    module = _load_script(script)
     data = json.loads((root / "benchmarks" / "results" / f"{result}.json").read_text())
     table = module.markdown(data["meta"], data["rows"])
     assert table.strip() == (root / "benchmarks" / "results" / f"{result}.md").read_text().strip()

@@ -89,6 +89,22 @@ def test_a_changed_or_missing_base_is_refused(tmp_path):
         DartDraft.load(path)
 
 
+def test_a_base_recorded_by_absolute_path_is_found_beside_the_moved_file(tmp_path):
+    """Training with --out outside the base's folder records the base's absolute path; once both files move
+    together (into heads/), loading finds the base beside the DART file, and still checks its hash."""
+    (tmp_path / "trained").mkdir()
+    dart, path = _random_dart(tmp_path / "trained")
+    dart.config.base = str((tmp_path / "trained" / BASE.name).resolve())
+    dart.save(path, {"note": "absolute base"})
+    moved = tmp_path / "heads"
+    shutil.move(str(tmp_path / "trained"), moved)
+    loaded, _ = DartDraft.load(moved / path.name)
+    assert loaded.config.base_sha256 == file_sha256(moved / BASE.name)
+    (moved / BASE.name).write_bytes((moved / BASE.name).read_bytes()[:-1] + b" ")
+    with pytest.raises(ValueError, match="is not the EAGLE draft .* was trained on"):
+        DartDraft.load(moved / path.name)
+
+
 def test_ngram_table_and_score():
     """Successors outside the draft vocabulary or seen once are dropped from the table but count in the total;
     the score is (n + 1/V) / (total + 1) with the request's own pairs counted CONTEXT_WEIGHT times."""

@@ -107,7 +107,7 @@ class DartDraft(nn.Module):
     def load(cls, path: Path, dtype: torch.dtype = torch.float32) -> tuple[DartDraft, dict[str, object]]:
         config, tensors, extra = read_head_file(path, "dart")
         cfg = DartConfig(**config)  # type: ignore[arg-type]
-        base_path = Path(cfg.base) if Path(cfg.base).is_absolute() else path.parent / cfg.base
+        base_path = _base_file(path, cfg.base)
         if not base_path.exists():
             raise ValueError(f"{path} adapts the EAGLE draft {base_path}, which is missing")
         if file_sha256(base_path) != cfg.base_sha256:
@@ -164,3 +164,13 @@ class NgramScorer:
         n = self.pairs.get((prev, nxt), 0) + CONTEXT_WEIGHT * context.get((prev, nxt), 0)
         total = self.totals.get(prev, 0) + CONTEXT_WEIGHT * context_totals.get(prev, 0)
         return math.log((n + self.floor) / (total + 1.0))
+
+
+def _base_file(path: Path, base: str) -> Path:
+    """Where a DART file's base is: a name is beside the file; an absolute path (a run whose --out was outside the
+    base's folder records one) is used while it exists, else the same name beside the file, so the two files can be
+    moved together (the base's hash is checked either way)."""
+    recorded = Path(base)
+    if not recorded.is_absolute():
+        return path.parent / recorded
+    return recorded if recorded.exists() else path.parent / recorded.name
