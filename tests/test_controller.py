@@ -210,6 +210,23 @@ def test_the_profile_measures_the_ks_in_turn_after_an_unrecorded_round():
     assert decodes == [0, 2, 4, 0, 2, 4]
 
 
+def test_a_profile_drops_the_steps_another_process_disturbed():
+    """Per grid point and k, a round more than 1.25x slower than the fastest is dropped; ordinary jitter and
+    every other k's rounds stay, in measuring order. A disturbed k = 0 must not make drafts look cheap, nor a
+    disturbed k = 8 make them look dear."""
+    from turbospec.control.profiler import drop_disturbed
+    from turbospec.control.step_time import StepFeatures, StepSample
+
+    def sample(k, ms):
+        return k, StepSample(StepFeatures(batch=1, tokens=1 + k, spec_tokens=k), ms / 1e3, 0.0, 0.0)
+
+    recorded = [sample(0, 14.0), sample(8, 15.0), sample(0, 30.0), sample(8, 16.5), sample(0, 15.2),
+                sample(8, 31.0)]
+    kept = drop_disturbed(recorded)
+    assert [(s.features.spec_tokens, round(s.total_s * 1e3, 1)) for s in kept] == [(0, 14.0), (8, 15.0), (8, 16.5),
+                                                                                   (0, 15.2)]
+
+
 def test_tree_drafters_learn_acceptance_per_node_rank_and_time_their_draft(plain):
     """EAGLE's k drafts are its k most confident tree nodes: the controller learns how often each rank is
     accepted (not a chain's per-position rate), and the step samples put the draft layer's time in the draft

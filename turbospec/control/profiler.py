@@ -46,7 +46,7 @@ class ProfileGrid:
 
 
 GRIDS = {
-    "brief": ProfileGrid((1, 4, 12), (128,), (0, 1, 2, 4, 6), 2),
+    "brief": ProfileGrid((1, 4, 12), (128,), (0, 1, 2, 4, 6), 3),
     "full": ProfileGrid((1, 2, 4, 8, 16, 32), (64, 512, 1024), (0, 1, 2, 4, 8), 3),
 }
 
@@ -57,7 +57,14 @@ GRIDS = {
 # and the grid reaches the controller's cap. Version 6: the ks measured in turn, after an unrecorded round.
 # Version 7: tree drafters' levels (draft_levels) are a feature of the samples, so a draft form can use them.
 # Version 8: fits are monotone in work (monotone_fit.py); a cached fit may dip where the controller then aims.
-PROFILER_VERSION = "8"
+# Version 9: steps disturbed by another process are dropped (drop_disturbed), and brief profiles take 3 rounds.
+PROFILER_VERSION = "9"
+# A recorded step this much slower than the fastest of its grid point's rounds at the same k was disturbed: noise
+# only adds time, and one other process's burst on 2 cores doubled steps. Ad hoc: a smollm2-135m brief profile
+# measured while a test ran beside it fitted 0.33 ms per verified token at batch 1, where its own batch-1 steps were
+# flat within their noise, and the adaptive DART row then chose 1-node trees: 0.91x / 0.96x of fixed 8 nodes
+# (MT-Bench / HumanEval; remeasured quiet, it chose 7 nodes). Ordinary jitter at batch 1 is 5-10%.
+DISTURBED = 1.25
 
 
 class RepeatProposer(Proposer):
@@ -151,6 +158,15 @@ def _grid_points(engine: LLMEngine, grid: ProfileGrid, ks: tuple[int, ...]) -> l
     return points
 
 
+def drop_disturbed(recorded: list[tuple[int, StepSample]]) -> list[StepSample]:
+    """One grid point's recorded (k, sample) rounds, in order, without the steps more than DISTURBED times slower
+    than the fastest at the same k."""
+    fastest: dict[int, float] = {}
+    for k, sample in recorded:
+        fastest[k] = min(fastest.get(k, float("inf")), sample.total_s)
+    return [sample for k, sample in recorded if sample.total_s <= DISTURBED * fastest[k]]
+
+
 def profile_engine(engine: LLMEngine, grid: ProfileGrid, progress: bool = True, seed: int = 0) -> list[StepSample]:
     """Run the grid on an idle engine and return every step's sample. The engine is left idle as found."""
     if engine.has_unfinished_requests():
@@ -190,10 +206,14 @@ def profile_engine(engine: LLMEngine, grid: ProfileGrid, progress: bool = True, 
             # rather than tilting the cost of k; a first round unrecorded: the first step at new row counts pays for
             # shapes torch and our kernels meet for the first time (what measuring k by k cost the controller:
             # docs/ARCHITECTURE.md, the profiler)
+            recorded: list[tuple[int, StepSample]] = []
             for round_ in range(grid.repeats + 1):
                 for k in ks:
                     engine.set_speculation(k)
-                    (engine.step if round_ == 0 else step)()
+                    engine.step()
+                    if round_ and engine.last_sample is not None:
+                        recorded.append((k, engine.last_sample))
+            samples += drop_disturbed(recorded)
             bar.update(len(ks))
             for rid in ids:
                 engine.abort_request(rid)
