@@ -186,7 +186,7 @@ def _after_first_lines(rows: list[dict[str, Any]]) -> list[str]:
             continue
         share = ", ".join(f"{n} {s['first_token_seconds'] / s['seconds']:.0%}" for n, s in sets.items())
         rows_after = [f"{r['row']} " + " / ".join(f"{s['after_first_speedup']:.2f}x" for s in r["sets"].values())
-                      for r in rows if r["model"] == plain["model"] and r["engine"] == "turbospec" and "sets" in r
+                      for r in rows if r["model"] == plain["model"] and "sets" in r and r["engine"] == "turbospec"
                       and r["row"] not in ("plain", "plain-alongside")
                       and all("after_first_speedup" in s for s in r["sets"].values())]
         lines.append(f"- {plain['model']}: plain spent {share} of its time before each prompt's first token (prefill, "
