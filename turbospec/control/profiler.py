@@ -168,7 +168,8 @@ def drop_disturbed(recorded: list[tuple[int, StepSample]]) -> list[StepSample]:
 
 
 def profile_engine(engine: LLMEngine, grid: ProfileGrid, progress: bool = True, seed: int = 0) -> list[StepSample]:
-    """Run the grid on an idle engine and return every step's sample. The engine is left idle as found."""
+    """Run the grid on an idle engine and return its steps' samples: every prefill step, and the decode rounds
+    drop_disturbed keeps. The engine is left idle as found."""
     if engine.has_unfinished_requests():
         raise RuntimeError("profiling needs an idle engine")
     rng = random.Random(seed)
