@@ -23,15 +23,18 @@ from tqdm import tqdm
 from turbospec import LLM, SamplingParams
 from turbospec.bench.humaneval import answer_prefix, chat_messages, load_humaneval
 from turbospec.bench.machine import benchmark_meta, header_lines, save_results
+from turbospec.control.profiler import profile_key, profile_path
 
 KS = (0, 1, 2, 4, 6, 8)
 
 
-def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
+    """Rows per k, and the profile's cache file name (its key): what the predictions came from."""
+    ks = args.ks
     llm = LLM(args.model, dtype="bfloat16", weight_format="bf16", num_threads=args.threads, max_model_len=1024,
               progress=False, enable_prefix_caching=False,
               speculative_config={"method": args.method, "num_speculative_tokens": "auto",
-                                  "max_speculative_tokens": max(KS)})
+                                  "max_speculative_tokens": max(ks)})
     engine = llm.engine
     llm.generate("hello", SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # loads or makes the profile
     model = engine.controller.model
@@ -39,14 +42,14 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template(chat_messages(t)) + tok.encode(answer_prefix(t), add_special_tokens=False)
                for t in load_humaneval(args.prompts)]
-    seen: dict[int, list[tuple[float, float]]] = {k: [] for k in KS}  # (measured, predicted) seconds
+    seen: dict[int, list[tuple[float, float]]] = {k: [] for k in ks}  # (measured, predicted) seconds
     for i, ids in enumerate(tqdm(prompts, desc="prompts")):
         rid = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=600, ignore_eos=True))
         engine.set_speculation(0)
         while engine.requests[rid].is_prefilling or engine.requests[rid].num_computed_tokens == 0:
             engine.step()
         for round_ in range(args.rounds):
-            for k in KS if (i + round_) % 2 == 0 else KS[::-1]:
+            for k in ks if (i + round_) % 2 == 0 else ks[::-1]:
                 engine.set_speculation(k)
                 for _ in range(args.steps):
                     engine.step()
@@ -54,8 +57,9 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                     if s is not None and s.features.batch == 1 and s.features.tokens == 1 + k:
                         seen[k].append((s.total_s, model.predict(s.features)))
         engine.abort_request(rid)
-    return [{"k": k, "steps": len(v), "measured_ms": statistics.median(m for m, _ in v) * 1e3,
+    rows = [{"k": k, "steps": len(v), "measured_ms": statistics.median(m for m, _ in v) * 1e3,
              "predicted_ms": statistics.median(p for _, p in v) * 1e3} for k, v in seen.items()]
+    return rows, profile_path(profile_key(engine)).name
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -63,7 +67,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = ["# Served step time by draft length, measured and as the step-time profile predicts it", "",
              *header_lines(meta),
              f"- {meta['model']} bf16, {meta['method']} drafts, one request, HumanEval prompts 1-{meta['prompts']}, "
-             f"{meta['rounds']} rounds of {meta['steps']} steps per k per prompt; medians", "",
+             f"{meta['rounds']} rounds of {meta['steps']} steps per k per prompt; medians"
+             + (f"; profile `{meta['profile']}`" if meta.get("profile") else ""), "",
              "| k | steps | measured ms | over k = 0 | predicted ms | over k = 0 |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['k']} | {r['steps']} | {r['measured_ms']:.1f} | "
@@ -80,13 +85,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--ks", default=",".join(map(str, KS)), help="draft lengths, comma-separated, 0 first")
     ap.add_argument("--out", default="benchmarks/results/served_step_cost")
     args = ap.parse_args()
-    rows = measure(args)
+    args.ks = tuple(int(k) for k in args.ks.split(","))
+    if args.ks[0] != 0 or min(args.ks) < 0:
+        ap.error(f"--ks: draft lengths >= 0, the first 0 (the rows are read against it), got {args.ks}")
+    rows, profile = measure(args)
     meta = benchmark_meta(args.threads, model=args.model, method=args.method, prompts=args.prompts,
-                          rounds=args.rounds, steps=args.steps)
-    save_results(Path(args.out), meta, rows, markdown(meta, rows))
-    print(markdown(meta, rows))
+                          rounds=args.rounds, steps=args.steps, profile=profile)
+    save_results(Path(args.out), meta, rows, markdown(meta, rows))  # (it prints the table)
 
 
 if __name__ == "__main__":
