@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 
 from turbospec import LLM, SamplingParams
-from turbospec.bench.machine import benchmark_meta, header_lines
+from turbospec.bench.machine import benchmark_meta, header_lines, save_results
 from turbospec.bench.prompts import BenchPrompt, load_mtbench, load_prompts
 from turbospec.models.registry import gguf_path, pull
 
@@ -181,9 +180,7 @@ def main() -> None:
                           counts=f"{args.humaneval} HumanEval prompts, {args.mtbench} MT-Bench first turns")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    out.with_suffix(".md").write_text(markdown(meta, rows))
-    print(markdown(meta, rows))
+    save_results(out, meta, rows, markdown(meta, rows))
 
 
 if __name__ == "__main__":

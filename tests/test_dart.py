@@ -15,11 +15,11 @@ import torch
 from spec_prompts import SPEC_PROMPTS
 
 from turbospec import LLM, SamplingParams
-from turbospec.spec.dart import CONTEXT_WEIGHT, DartConfig, DartDraft, NgramScorer, file_sha256, ngram_table
+from turbospec.spec.dart import CONTEXT_WEIGHT, DartConfig, DartDraft, NgramScorer, ngram_table
 from turbospec.spec.dart_proposer import DartProposer
 from turbospec.spec.eagle import EagleDraft
 from turbospec.spec.head_training import TrainHeadOptions
-from turbospec.spec.heads import head_path
+from turbospec.spec.heads import file_sha256, head_path
 
 pytestmark = pytest.mark.slow
 

@@ -63,8 +63,8 @@ def test_eagle_training_pipeline(plain, tmp_path, monkeypatch):
     # fine-tuning it (--init) on the target's own answers to code prompts: same vocabulary, new weights, and the
     # starting point's score on the new held-out set is reported next to the result's
     from turbospec.bench.prompts import load_sharegpt_exchanges
-    from turbospec.spec.dart import file_sha256
     from turbospec.spec.head_training import CONVERSATIONS_STOP, PROMPT_SKIP, distillation_answers
+    from turbospec.spec.heads import file_sha256
 
     tuned_opts = TrainHeadOptions("eagle", num_heads=2, num_prompts=3, max_tokens=10, budget_minutes=5, epochs=1,
                                   batch_size=8, generate_batch=3, code_only=True,

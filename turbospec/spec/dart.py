@@ -16,7 +16,6 @@ The file holds only those, the n-gram table and the base file's name and hash: u
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -27,7 +26,7 @@ from torch import nn
 from torch.func import functional_call
 
 from .eagle import EagleDraft, window_mask
-from .heads import read_head_file, save_head_file
+from .heads import file_sha256, read_head_file, save_head_file
 
 ADAPTED = ("qkv", "o", "gate_up", "down")  # the layer's matrices that get a low-rank delta
 CONTEXT_WEIGHT = 4.0  # a pair seen in the request's own tokens counts this many corpus pairs
@@ -43,10 +42,6 @@ class DartConfig:
     hidden_size: int
     vocab_size: int
     method: str = "dart"
-
-
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 class DartDraft(nn.Module):

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .dart import DartConfig, DartDraft, file_sha256, ngram_table
+from .dart import DartConfig, DartDraft, ngram_table
 from .eagle import EagleDraft
 from .eagle_training import WINDOW, FlatExamples, _examples, features_path, position_loss, target_features
 from .head_training import (
@@ -33,6 +33,7 @@ from .head_training import (
     vocab_remap,
     work_dir,
 )
+from .heads import file_sha256
 
 if TYPE_CHECKING:
     from ..engine import LLMEngine

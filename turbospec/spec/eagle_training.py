@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..runner import SeqInput
-from .dart import file_sha256
 from .eagle import EagleConfig, EagleDraft, default_feature_layers
 from .head_training import (
     IGNORE,
@@ -37,6 +36,7 @@ from .head_training import (
     vocab_remap,
     work_dir,
 )
+from .heads import file_sha256
 
 if TYPE_CHECKING:
     from ..engine import LLMEngine

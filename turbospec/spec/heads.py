@@ -16,6 +16,7 @@ under the 50 MB the repository allows for heads (45 MB in heads/).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -109,6 +110,11 @@ def save_head_file(path: Path, module: nn.Module, config: dict[str, object], ext
                for k, v in module.state_dict().items()}
     tensors["vocab"] = module.vocab.to(torch.int32).contiguous()  # type: ignore[union-attr,operator]
     save_file(tensors, str(path), metadata={"config": json.dumps(config), "extra": json.dumps(extra)})
+
+
+def file_sha256(path: Path) -> str:
+    """A head file's identity: what a DART file records of its base, and a fine-tune of its --init."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def read_head_file(path: Path, method: str | None = None
