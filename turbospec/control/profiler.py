@@ -60,10 +60,9 @@ GRIDS = {
 # Version 9: steps disturbed by another process are dropped (drop_disturbed), and brief profiles take 3 rounds.
 PROFILER_VERSION = "9"
 # A recorded step this much slower than the fastest of its grid point's rounds at the same k was disturbed: noise
-# only adds time, and one other process's burst on 2 cores doubled steps. Ad hoc: a smollm2-135m brief profile
-# measured while a test ran beside it fitted 0.33 ms per verified token at batch 1, where its own batch-1 steps were
-# flat within their noise, and the adaptive DART row then chose 1-node trees: 0.91x / 0.96x of fixed 8 nodes
-# (MT-Bench / HumanEval; remeasured quiet, it chose 7 nodes). Ordinary jitter at batch 1 is 5-10%.
+# only adds time. With a smollm2-135m brief profile measured while a test ran beside it, the adaptive DART row chose
+# 1-node trees: 0.91x / 0.96x of fixed 8 nodes (benchmarks/results/proposer_zoo_smollm2_zen5_disturbed_profile.md).
+# A synthetic co-runner did not reproduce that (benchmarks/profile_disturbance.py): the drop's benefit is unmeasured.
 DISTURBED = 1.25
 
 
