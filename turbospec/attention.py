@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .attention_choice import SHORT_QUERY, single_sequence_matmul
 from .attention_groups import plan_groups
 from .determinism.batch_invariant import invariant_attention
 
@@ -178,7 +179,7 @@ def paged_attention(
         mask = g.mask_for_window(sliding_window)
         if g.invariant:
             og = invariant_attention(qg, kg, vg, mask, scale)
-        elif qg.shape[2] <= SHORT_QUERY and qg.shape[0] > 1:
+        elif _grouped_matmuls_win(qg, kg):
             og = _short_query_attention(qg, kg, vg, mask, scale)
         else:
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale,
@@ -191,13 +192,18 @@ def paged_attention(
     return out
 
 
-# Up to this many queries per sequence, two grouped matmuls beat SDPA on CPU when a group batches several
+# Up to SHORT_QUERY queries per sequence, two grouped matmuls beat SDPA on CPU when a group batches several
 # sequences (16 decodes at 400 tokens of context: 0.66 ms against 0.93 ms for SDPA in bf16), while for long
-# prefill chunks its flash kernel wins (512 queries: 4.4 ms against 15.7 ms for the matmuls), and so it does for
-# a group of one sequence (one decode at 320 tokens, 12 heads of 128 over 2 KV heads: 47 us against 113 us;
-# with 5 queries 109 against 163): a single stream runs SDPA. (torch 2.13, this Xeon, 2 threads; ad hoc
-# microbenchmarks, not a committed run.)
-SHORT_QUERY = 16
+# prefill chunks its flash kernel wins (512 queries: 4.4 ms against 15.7 ms for the matmuls). For a group of one
+# sequence the faster one depends on the CPU, so it is measured (attention_choice.py). (torch 2.13, a Xeon,
+# 2 threads; ad hoc microbenchmarks, not a committed run.)
+def _grouped_matmuls_win(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """q [B, Hq, Q, D], k [B, Hkv, L, D]: whether `_short_query_attention` runs rather than SDPA."""
+    batch, q_heads, queries, head_dim = q.shape
+    if queries > SHORT_QUERY:
+        return False
+    return batch > 1 or (q.device.type == "cpu" and single_sequence_matmul(queries, k.shape[2], q_heads, k.shape[1],
+                                                                           head_dim, q.dtype))
 
 
 def _short_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
