@@ -15,6 +15,7 @@ then call `forget()`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -50,6 +51,7 @@ def single_sequence_matmul(num_queries: int, context: int, q_heads: int, kv_head
     return (num_queries, nearest_probe(context)) in _choices[key]
 
 
+@functools.lru_cache(maxsize=4096)  # asked by every layer of every step: the lookup should cost next to nothing
 def nearest_probe(context: int) -> int:
     """The probed context length nearest to `context` in ratio."""
     return min(PROBE_CONTEXTS, key=lambda c: abs(math.log(c / max(context, 1))))
