@@ -194,9 +194,9 @@ def paged_attention(
 
 # Up to SHORT_QUERY queries per sequence, two grouped matmuls beat SDPA on CPU when a group batches several
 # sequences (16 decodes at 400 tokens of context: 0.66 ms against 0.93 ms for SDPA in bf16), while for long
-# prefill chunks its flash kernel wins (512 queries: 4.4 ms against 15.7 ms for the matmuls). For a group of one
-# sequence the faster one depends on the CPU, so it is measured (attention_choice.py). (torch 2.13, a Xeon,
-# 2 threads; ad hoc microbenchmarks, not a committed run.)
+# prefill chunks its flash kernel wins (512 queries: 4.4 ms against 15.7 ms for the matmuls; torch 2.13, a Xeon,
+# 2 threads, ad hoc microbenchmarks, not a committed run). For a group of one sequence the faster one depends on
+# the CPU, the query count and the context, so it is measured (attention_choice.py).
 def _grouped_matmuls_win(q: torch.Tensor, k: torch.Tensor) -> bool:
     """q [B, Hq, Q, D], k [B, Hkv, L, D]: whether `_short_query_attention` runs rather than SDPA."""
     batch, q_heads, queries, head_dim = q.shape

@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from .cache_files import write_text_atomically
 
 SHORT_QUERY = 16  # at most this many queries per sequence: the matmuls' domain (longer chunks run SDPA)
-# context lengths each query count is timed at; a call takes the choice made at the nearest (in ratio). Both
-# matter: for qwen2.5-coder-1.5b's heads on the Zen 5, SDPA won 2-16 queries at 128 tokens and lost them at 1,000
-# (benchmarks/results/attention_paths.md); with probes 4x apart, 136 tokens took 256's choice and lost 5% per step.
+# context lengths each query count is timed at, 2x apart; a call takes the choice made at the nearest (in ratio).
+# Both matter: for smollm2-135m's heads on the Zen 5, SDPA won 2-16 queries at 128 tokens and lost them at 1,000
+# (benchmarks/results/attention_paths.md).
 PROBE_CONTEXTS = (64, 128, 256, 512, 1024, 2048, 4096)
 PROBE_REPEATS = 5
 OVERRIDE = "TURBOSPEC_ATTENTION"
