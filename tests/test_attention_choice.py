@@ -64,6 +64,20 @@ def test_a_single_sequence_gets_the_same_attention_from_either_kernel(monkeypatc
     assert len(ran) == (2 if override == "matmul" else 0)  # the chosen kernel is the one that ran
 
 
+def test_a_step_decides_once_per_group_for_all_its_layers(monkeypatch):
+    asked = []
+    decide = attention.single_sequence_matmul
+    monkeypatch.setattr(attention, "single_sequence_matmul", lambda *a: asked.append(a) or decide(*a))
+    q, k, v, k_cache, v_cache, tables = _setup([1], [40], seed=5)
+    meta = build_metadata([1], [40], tables)
+    first = paged_attention(q, k, v, k_cache, v_cache, meta, scale=1 / math.sqrt(D))
+    for _ in range(3):  # the step's other layers
+        torch.testing.assert_close(paged_attention(q, k, v, k_cache, v_cache, meta, scale=1 / math.sqrt(D)), first)
+    assert len(asked) == 1
+    paged_attention(q, k, v, k_cache, v_cache, build_metadata([1], [40], tables), scale=1 / math.sqrt(D))
+    assert len(asked) == 2  # the next step's metadata asks again
+
+
 def test_the_choice_is_measured_once_and_cached_per_machine(monkeypatch, tmp_path):
     calls = []
 

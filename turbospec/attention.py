@@ -37,6 +37,14 @@ class AttnGroup:
     # computed with invariant_attention: each query's result independent of the group (determinism/)
     invariant: bool = False
     _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    _matmuls: bool | None = None  # runs_matmuls' answer, once the first layer has asked
+
+    def runs_matmuls(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether this group attends with `_short_query_attention` rather than SDPA. Every layer of the step has
+        the same shapes, so the first layer's answer holds for the others."""
+        if self._matmuls is None:
+            self._matmuls = _grouped_matmuls_win(q, k)
+        return self._matmuls
 
     def mask_for_window(self, window: int | None) -> torch.Tensor:
         """The mask restricted to a sliding window (key position > query position - window)."""
@@ -179,7 +187,7 @@ def paged_attention(
         mask = g.mask_for_window(sliding_window)
         if g.invariant:
             og = invariant_attention(qg, kg, vg, mask, scale)
-        elif _grouped_matmuls_win(qg, kg):
+        elif g.runs_matmuls(qg, kg):
             og = _short_query_attention(qg, kg, vg, mask, scale)
         else:
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale,

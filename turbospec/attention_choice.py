@@ -3,11 +3,12 @@ our two grouped matmuls (`attention._short_query_attention`). Measured per machi
 head shape, cached under $TURBOSPEC_HOME/kernels.
 
 Why measured: the faster one depends on the CPU, the query count and the context. On a Xeon (torch 2.13, 2 threads)
-SDPA won for one sequence (one decode at 320 tokens: 47 us against 113 us), which is why a group of one always ran
-SDPA. On an AMD EPYC (Zen 5, 2 threads) SDPA's flash kernel took 0.38 ms for one qwen2.5-coder-1.5b query at 320
-tokens of context and 1.15 ms at 1,000, where the matmuls took 0.08 and 0.12 ms; one request's decode step at 1,500
-tokens then took 97 ms instead of 155 (1.60x; smollm2-135m 1.55x), while at 128 tokens the two were within the
-machine's noise (benchmarks/results/attention_paths.md). Groups of several sequences always run the matmuls.
+SDPA won for one sequence (one decode at 320 tokens: 47 us against 113 us; ad hoc, not a committed run), which is
+why a group of one always ran SDPA. On an AMD EPYC (Zen 5, 2 threads) SDPA's flash kernel took 0.38 ms for one
+qwen2.5-coder-1.5b query at 320 tokens of context and 1.15 ms at 1,000, where the matmuls took 0.08 and 0.12 ms;
+one request's decode step at 1,500 tokens then took 97 ms instead of 155 (1.60x; smollm2-135m 1.55x), while at 128
+tokens the two were within the machine's noise (benchmarks/results/attention_paths.md). Groups of several sequences
+always run the matmuls. The choice is made once per attention group and step (`AttnGroup.runs_matmuls`).
 
 TURBOSPEC_ATTENTION=sdpa or =matmul fixes the choice (read at each new choice: side-by-side measurements set it,
 then call `forget()`).
@@ -51,7 +52,7 @@ def single_sequence_matmul(num_queries: int, context: int, q_heads: int, kv_head
     return (num_queries, nearest_probe(context)) in _choices[key]
 
 
-@functools.lru_cache(maxsize=4096)  # asked by every layer of every step: the lookup should cost next to nothing
+@functools.lru_cache(maxsize=4096)  # asked once per attention group and step
 def nearest_probe(context: int) -> int:
     """The probed context length nearest to `context` in ratio."""
     return min(PROBE_CONTEXTS, key=lambda c: abs(math.log(c / max(context, 1))))
@@ -92,11 +93,10 @@ def matmul_wins(timings: dict[tuple[int, int], tuple[float, float]]) -> frozense
 
 def _choose(q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
             override: str) -> frozenset[tuple[int, int]]:
-    everywhere = frozenset((q, c) for q in range(1, SHORT_QUERY + 1) for c in PROBE_CONTEXTS)
     if override == "sdpa":
         return frozenset()
     if override == "matmul":
-        return everywhere
+        return frozenset((q, c) for q in range(1, SHORT_QUERY + 1) for c in PROBE_CONTEXTS)
     if override:
         raise ValueError(f"{OVERRIDE}={override!r}: expected 'sdpa', 'matmul' or unset (measured per machine)")
     from .control.profiler import hardware_name  # (lazy: the profiler imports the engine, which imports us)
