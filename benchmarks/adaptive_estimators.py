@@ -51,11 +51,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--out", default="benchmarks/results/adaptive_estimators")
+    ap.set_defaults(dtype="bfloat16", weight_format="bf16", max_model_len=2048)  # (proposer_zoo's runner reads them)
     args = ap.parse_args()
     estimators = [e for e in args.estimators.split(",") if e]
     if unknown := set(estimators) - set(ESTIMATORS):
         ap.error(f"--estimators: unknown {sorted(unknown)}: choose from {', '.join(ESTIMATORS)}")
-    args.dtype, args.weight_format, args.max_model_len = "bfloat16", "bf16", 2048  # what run_turbospec reads
     draft = {"method": "draft", "model": DRAFTS[args.model]}
     specs: dict[str, dict[str, Any] | None] = {f"fixed k = {args.k}": {**draft, "num_speculative_tokens": args.k}}
     for name in estimators:
