@@ -99,6 +99,10 @@ def test_the_choice_is_measured_once_and_cached_per_machine(monkeypatch, tmp_pat
     assert single_sequence_matmul(9, 900, HQ, HKV, D, bf16) and not single_sequence_matmul(9, 1500, HQ, HKV, D, bf16)
     assert len(calls) == 1
     assert choice_summary(HQ, HKV, D, torch.float32).startswith("64:1-3 ") and len(calls) == 2  # another dtype
+    cached.write_text('{"key": "an older layout", "matmul": 3}')  # unreadable as a choice: measured again
+    attention_choice.forget()
+    assert single_sequence_matmul(2, 300, HQ, HKV, D, bf16) and len(calls) == 3
+    assert [2, 64] in json.loads(cached.read_text())["matmul"]
 
 
 def test_the_measurement_times_both_kernels_at_every_short_query_count():

@@ -17,8 +17,6 @@ then call `forget()`).
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import math
 import os
 from collections.abc import Callable
@@ -26,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .cache_files import write_text_atomically
+from .cache_files import measured_once
 
 SHORT_QUERY = 16  # at most this many queries per sequence: the matmuls' domain (longer chunks run SDPA)
 # context lengths each query count is timed at, 2x apart; a call takes the choice made at the nearest (in ratio).
@@ -100,21 +98,16 @@ def _choose(q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
     if override:
         raise ValueError(f"{OVERRIDE}={override!r}: expected 'sdpa', 'matmul' or unset (measured per machine)")
     from .control.profiler import hardware_name  # (lazy: the profiler imports the engine, which imports us)
-    from .models.registry import turbospec_home
 
-    threads = torch.get_num_threads()
-    key = (f"{hardware_name('cpu')}|{threads}|{torch.__version__}|{q_heads}x{kv_heads}x{head_dim}|"
+    key = (f"{hardware_name('cpu')}|{torch.get_num_threads()}|{torch.__version__}|{q_heads}x{kv_heads}x{head_dim}|"
            f"{str(dtype).removeprefix('torch.')}|{PROBE_CONTEXTS}")
-    path = turbospec_home() / "kernels" / f"attention-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
-    try:
-        return frozenset((int(q), int(c)) for q, c in json.loads(path.read_text())["matmul"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    timings = measure(q_heads, kv_heads, head_dim, dtype)
-    chosen = matmul_wins(timings)
-    write_text_atomically(path, json.dumps({"key": key, "matmul": sorted(chosen),
-                                            "ms": {f"{q}@{c}": t for (q, c), t in timings.items()}}))
-    return chosen
+
+    def probe() -> dict[str, object]:
+        timings = measure(q_heads, kv_heads, head_dim, dtype)
+        return {"matmul": sorted(matmul_wins(timings)), "ms": {f"{q}@{c}": t for (q, c), t in timings.items()}}
+
+    return measured_once("attention", key, probe,
+                         lambda cached: frozenset((int(q), int(c)) for q, c in cached["matmul"]))
 
 
 def measure(q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,

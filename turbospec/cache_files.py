@@ -4,10 +4,15 @@ processes may do it at once: parallel test workers, Ray replicas, two servers st
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
@@ -32,3 +37,19 @@ def exclusive_lock(path: Path) -> Iterator[None]:
     with open(path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+
+
+def measured_once(kind: str, key: str, measure: Callable[[], dict[str, Any]], read: Callable[[dict[str, Any]], T]) -> T:
+    """A measurement made once per machine (whatever `key` names: CPU, threads, torch, build, shape), cached as
+    $TURBOSPEC_HOME/kernels/<kind>-<hash of key>.json: `read` of the cached JSON, or, when there is none or `read`
+    cannot make sense of it, of what `measure()` returns (saved with the key, for whoever opens the file)."""
+    from .models.registry import turbospec_home  # (lazy: the registry writes through this module)
+
+    path = turbospec_home() / "kernels" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
+    try:
+        return read(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    data = {"key": key, **measure()}
+    write_text_atomically(path, json.dumps(data, indent=1))  # (json writes an infinite float as Infinity)
+    return read(data)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..cache_files import write_text_atomically
+from ..cache_files import measured_once
 
 log = logging.getLogger("turbospec.kernels")
 
@@ -169,18 +169,16 @@ def _measure_bf16_limit(threads: int) -> float:
     if (os.environ.get("TURBOSPEC_NO_BF16_ROWS") == "1" or load() is None
             or not torch.ops.turbospec.bf16_rows_available()):
         return 0.0
-    import json
-
     from ..control.profiler import hardware_name  # here: the profiler imports the engine, which imports us
-    from ..models.crossover import best_ms
-    from ..models.registry import turbospec_home
 
     key = f"{hardware_name('cpu')}|{threads}|{torch.__version__}|{build_id()}{bf16_rows_key_suffix()}"
-    path = turbospec_home() / "kernels" / f"bf16-rows-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
-    try:
-        return float(json.loads(path.read_text())["limit"])
-    except (OSError, ValueError, KeyError):
-        pass
+    return measured_once("bf16-rows", key, _probe_bf16_limit, lambda cached: float(cached["limit"]))
+
+
+def _probe_bf16_limit() -> dict[str, object]:
+    """{"limit": rows, "ms": {"<shape>:<rows>": [ours, torch's]}}, timed at this process's thread count."""
+    from ..models.crossover import best_ms
+
     gen = torch.Generator().manual_seed(0)
     limit, timings = float("inf"), {}
     for out_features, in_features in BF16_PROBE_SHAPES:
@@ -197,11 +195,9 @@ def _measure_bf16_limit(threads: int) -> float:
             timings[f"{out_features}x{in_features}:{rows}"] = [ours, theirs]
             if ours >= theirs:
                 limit = BF16_PROBE_ROWS[i - 1] if i else 0  # the last count it won at, on every shape so far
-    # json writes inf as Infinity
-    write_text_atomically(path, json.dumps({"key": key, "limit": limit, "ms": timings}, indent=1))
     log.info("bf16 linears of up to %s rows run our kernel (bf16_rows.cpp), measured faster than torch's",
              "any number of" if limit == float("inf") else f"{limit:g}")
-    return limit
+    return {"limit": limit, "ms": timings}
 
 
 def bf16_rows_path() -> str:
