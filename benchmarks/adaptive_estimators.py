@@ -5,7 +5,8 @@ turns prompt by prompt, the order alternating (benchmarks/proposer_zoo.py's runn
 HumanEval. Per row and set: tok/s, its ratio to the fixed row, tau, the mean k chosen and its histogram. The
 question it answers: which estimator keeps adaptive at least as fast as the best fixed length
 (benchmarks/acceptance_estimators.py scores the estimators' predictions on replayed traces; this scores the
-decisions they lead to).
+decisions they lead to). `--draft-stops confidence,none` also measures each auto row without the draft's own
+confidence stop (SpeculativeConfig.draft_stop).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/adaptive_estimators.py [--prompts 10]
 """
@@ -20,6 +21,7 @@ from typing import Any
 from proposer_zoo import DRAFTS, datasets, run_turbospec  # (benchmarks/: the script's directory)
 
 from turbospec.bench.machine import benchmark_meta, header_lines, save_results
+from turbospec.config import DRAFT_STOPS
 from turbospec.control.acceptance import ESTIMATORS
 
 CHAIN_ESTIMATORS = ("position-beta", "first-position-beta", "request-beta")
@@ -47,6 +49,9 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-1.5b", choices=sorted(DRAFTS))
     ap.add_argument("--k", type=int, default=4, help="the fixed row's draft length")
     ap.add_argument("--estimators", default=",".join(CHAIN_ESTIMATORS))
+    ap.add_argument("--draft-stops", default="confidence",
+                    help="comma-separated draft_stop values, each estimator's auto row measured with each "
+                         "(confidence: the draft ends where it turns unsure, the default; none: k as chosen)")
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
@@ -58,8 +63,13 @@ def main() -> None:
         ap.error(f"--estimators: unknown {sorted(unknown)}: choose from {', '.join(ESTIMATORS)}")
     draft = {"method": "draft", "model": DRAFTS[args.model]}
     specs: dict[str, dict[str, Any] | None] = {f"fixed k = {args.k}": {**draft, "num_speculative_tokens": args.k}}
+    stops = [v for v in args.draft_stops.split(",") if v]
+    if unknown := set(stops) - set(DRAFT_STOPS):
+        ap.error(f"--draft-stops: unknown {sorted(unknown)}: choose from {', '.join(DRAFT_STOPS)}")
     for name in estimators:
-        specs[f"auto, {name}"] = {**draft, "num_speculative_tokens": "auto", "acceptance_estimator": name}
+        for stop in stops:
+            row = f"auto, {name}" + ("" if stop == "confidence" else f", draft_stop {stop}")
+            specs[row] = {**draft, "num_speculative_tokens": "auto", "acceptance_estimator": name, "draft_stop": stop}
     rows = run_turbospec(args, args.model, specs, datasets(args.model, args.prompts))
     meta = benchmark_meta(args.threads, model=args.model, draft=DRAFTS[args.model], k=args.k, prompts=args.prompts,
                           max_tokens=args.max_tokens)

@@ -121,15 +121,37 @@ def test_adaptive_thresholds_follow_what_verification_saw():
     t.observe_generation([0.1] * 98, [True] * 98)  # sure drafts were accepted
     t.observe_generation([4.2] * 8, [False] * 8)  # unsure ones were not
     assert t.cost_ratio == 0.25
-    assert t.acceptance_at(0.2) == pytest.approx(99 / 100) and t.acceptance_at(4.4) == pytest.approx(1 / 10)
+    assert t.acceptance_at(0.15) == pytest.approx(99 / 100) and t.acceptance_at(4.4) == pytest.approx(1 / 10)
     # after one sure token (expected 1 accepted, goodput (1 + 1) / (1 + 0.25) = 1.6 tokens per target step):
     assert t.keep_drafting(0.1, 1, 1.0, 1.0) == pytest.approx(0.99)  # 0.99 / 0.25 = 3.96 pays
     assert t.keep_drafting(4.2, 1, 1.0, 1.0) is None  # 0.1 / 0.25 = 0.4 does not
     assert t.keep_drafting(4.2, 0, 1.0, 0.0) == pytest.approx(0.1)  # the first draft token is always kept
-    assert t.entropy_threshold == 4.0  # unseen bins (0.5 each) still pay; the 4.0-4.5 nat bin does not
+    assert t.entropy_threshold == pytest.approx(4.2)  # unseen bins (0.5 each) still pay; the 4.2-4.3 nat bin does not
     for _ in range(99):  # drafting got much cheaper (running means): the cut moves away
         t.observe_costs(draft_step_s=0.0)
     assert t.keep_drafting(4.2, 1, 1.0, 1.0) is not None
+
+
+def test_the_confidence_stop_keeps_the_unsure_token_and_stops_before_the_next_forward():
+    t = AdaptiveThresholds.fresh()
+    # nothing measured yet: a draft model drafts to its cap, each token's survival at the unseen bins' 0.5
+    assert t.draft_more(9.0, 0, 1.0, 0.0) == (0.5, 0.5, True)
+    t.observe_costs(draft_step_s=1.0, target_step_s=4.0)  # r = 0.25
+    t.observe_generation([0.1] * 98, [True] * 98)  # acceptance 0.99 in the 0.1-0.2 nat bin
+    t.observe_generation([4.2] * 8, [False] * 8)  # 0.1 in the 4.2-4.3 bin
+    # a sure first token: survival 0.99, expected 0.99; the next forward's gain 0.99 x 0.99 = 0.98 per 0.25 of a
+    # target step beats the draft so far, (1 + 0.99) / (1 + 0.25) = 1.59 tokens per target step
+    survival, expected, more = t.draft_more(0.1, 0, 1.0, 0.0)
+    assert (survival, expected, more) == (pytest.approx(0.99), pytest.approx(0.99), True)
+    # an unsure second token is kept (its forward is paid): survival 0.099, and the next forward's gain
+    # 0.099 x 0.1 / 0.25 = 0.04 does not beat (1 + 1.089) / (1 + 2 x 0.25) = 1.39
+    survival, expected, more = t.draft_more(4.2, 1, survival, expected)
+    assert (survival, expected, more) == (pytest.approx(0.099), pytest.approx(1.089), False)
+    # AdaSD's rule, by contrast, drops that token (the first is always kept)
+    assert t.keep_drafting(4.2, 1, 0.99, 0.99) is None
+    free = AdaptiveThresholds.fresh()
+    free.observe_costs(draft_step_s=0.0, target_step_s=1.0)  # a draft step too quick to measure: never a stop
+    assert free.draft_more(4.2, 3, 0.01, 2.0)[2] and free.keep_drafting(4.2, 3, 0.01, 2.0) is not None
 
 
 # --- validation -------------------------------------------------------------------------------------------------
@@ -158,7 +180,7 @@ def test_lossy_acceptance_and_a_deterministic_mode_are_refused_together():
 SMALL = {"dtype": "float32", "num_threads": 1, "progress": False, "max_model_len": 256, "kv_cache_memory_gib": 0.25}
 
 
-def _llm(acceptance: str, k: int = 4) -> LLM:
+def _llm(acceptance: str, k: int | str = 4) -> LLM:
     spec = {"method": "draft", "model": MODEL, "num_speculative_tokens": k, "acceptance": acceptance}
     llm = LLM(MODEL, **SMALL, enable_prefix_caching=False, speculative_config=spec)
     # The draft is the target with noise on two layers: same vocabulary, and it disagrees often
@@ -194,6 +216,37 @@ def test_lossless_policies_reproduce_plain_greedy_decoding(plain):
     histogram = stats["k_histogram"]
     assert sum(histogram[:4]) > 0  # some drafts were cut short of k = 4 by the entropy rule
     assert stats["adaptive_thresholds"]["entropy_observations"] > 2
+
+
+@pytest.mark.slow
+def test_auto_mode_ends_drafts_where_the_draft_turns_unsure_and_stays_lossless(plain):
+    from turbospec.control.step_time import LinearPart, StepTimeModel
+
+    stopping = _llm("exact", k="auto")
+    engine = stopping.engine
+    assert engine.spec.draft_stop == "confidence" and engine._confidence_stop()
+    # drafting nearly free, so the controller lets every request draft (up to the cap of 8) and the stop decides
+    # how far; the table starts saying that unsure tokens are rejected, so the stop fires from the first steps
+    engine.controller.model = StepTimeModel({"target": LinearPart(("one", "tokens"), (0.01, 1e-4)),
+                                             "draft": LinearPart(("draft_steps",), (1e-4,)),
+                                             "overhead": LinearPart()}, refit_every=10**9)
+    engine.adaptive_thresholds.observe_generation([0.1] * 20 + [3.0] * 20, [True] * 20 + [False] * 20)
+    # the draft here is the target itself (as slow); make its measured step look nearly free against the
+    # target's (running means: these outweigh the steps the test measures), so only unsure tokens end a draft
+    for _ in range(2000):
+        engine.adaptive_thresholds.observe_costs(draft_step_s=1e-4, target_step_s=1.0)
+    # one request at a time: a lone request the controller lets draft may go to the cap (widen_lone_request)
+    outs = [stopping.generate(p, GREEDY, use_tqdm=False)[0] for p in PROMPTS]
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert all(o.lossless and o.relaxed_tokens == 0 for o in outs)
+    histogram = stopping.spec_stats()["k_histogram"]
+    assert sum(histogram[1:8]) > 0 and len(histogram) == 9 and histogram[8] > 0  # cut short, and drafted to 8
+    before = sum(engine.adaptive_thresholds.seen_by_entropy)
+    assert before > 40  # verification fed the table
+    # a fixed k is drafted in full whatever the draft's confidence
+    engine.set_speculation(4)
+    stopping.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert sum(engine.adaptive_thresholds.seen_by_entropy) == before
 
 
 @pytest.mark.slow

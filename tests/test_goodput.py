@@ -13,7 +13,7 @@ import torch
 from turbospec.control.acceptance import (
     ESTIMATORS, GlobalEMA, NodeRank, PositionBeta, RequestBeta, expected_tokens, make_estimator, outcome_probability,
 )
-from turbospec.control.controller import Candidate, GoodputController
+from turbospec.control.controller import Candidate, GoodputController, widen_lone_request
 from turbospec.control.goodput import choose_lengths
 from turbospec.control.step_time import LinearPart, StepFeatures, StepSample, StepTimeModel
 
@@ -100,6 +100,14 @@ def test_a_draft_forward_cost_does_not_stop_the_search_early():
 def test_budget_cap_limits_total_drafts():
     choice = choose_lengths([flat(0.9)] * 4, [8] * 4, linear_cost(1.0, 0.001)(4), max_total=5)
     assert sum(choice.ks) == 5
+
+
+def test_a_lone_request_the_controller_lets_draft_may_draft_to_its_cap():
+    assert widen_lone_request([2], [8], budget=100) == [8]
+    assert widen_lone_request([2], [8], budget=5) == [5]  # within the step's spare tokens
+    assert widen_lone_request([0], [8], budget=100) == [0]  # the controller's "do not draft" stands
+    assert widen_lone_request([3], [2], budget=100) == [3]  # never below the controller's choice
+    assert widen_lone_request([2, 1], [8, 8], budget=100) == [2, 1]  # several requests: the controller's ks
 
 
 def test_hysteresis_keeps_plain_decoding_for_marginal_gains():

@@ -13,8 +13,8 @@ import pytest
 from turbospec.cli import main
 from turbospec.control.controller import base_step
 from turbospec.control.step_time import LinearPart, StepFeatures, StepSample, StepTimeModel
-from turbospec.sim.acceptance import Outcome, PositionRates, TraceReplay, rates_from_trace
-from turbospec.sim.replica import SpecPolicy
+from turbospec.sim.acceptance import Outcome, PositionRates, TextRuns, TraceReplay, rates_from_trace
+from turbospec.sim.replica import Replica, SpecPolicy
 from turbospec.sim.simulator import Deployment, simulate
 from turbospec.sim.step_cost import (
     H200,
@@ -131,6 +131,33 @@ def test_trace_replay_uses_each_requests_records_in_order():
     res = simulate([SimRequest("a", 0.0, 10, 8)], constant(0.01), TraceReplay(records, PositionRates((0.0,))),
                    Deployment(policy=SpecPolicy("fixed", 4)))
     assert res.replicas[0].num_steps == 4
+
+
+def test_text_runs_replay_the_run_at_each_answer_position():
+    runs = TextRuns({"a": [9, 5, 4, 3, 2, 1, 0, 0, 0, 0]}, {"a": [0.1] * 10})
+    rng = np.random.default_rng(0)
+    assert runs.draw("a", 4, rng, position=1) == Outcome(4, 4, (0.1,) * 4)
+    assert runs.draw("a", 4, rng, position=4) == Outcome(4, 2, (0.1,) * 4)
+    assert runs.draw("a", 0, rng, position=4) == Outcome(0, 0)
+    # 10 tokens: prefill 1, then at position 1 k = 4 accepts 4 (5 tokens), at 6 the run is 0 (1 token), and so on
+    res = simulate([SimRequest("a", 0.0, 10, 10)], constant(0.01), TextRuns({"a": [9, 5, 4, 3, 2, 1, 0, 0, 0, 0]}),
+                   Deployment(policy=SpecPolicy("fixed", 4, free_proposals=False)), record_steps=True)
+    assert [s.ks for s in res.replicas[0].steps] == [[], [4], [3], [2], [1], [0]]  # capped by the tokens left
+
+
+def test_the_confidence_stop_ends_a_replayed_draft_at_the_unsure_token():
+    sure, unsure = 0.1, 4.2
+    runs = TextRuns({"a": [8] * 40}, {"a": ([sure] * 3 + [unsure]) * 10})
+    policy = SpecPolicy("auto", 8, free_proposals=False, confidence_stop=True)
+    replica = Replica(StepCost(model(one=0.05, tokens=0.0001)), runs, policy, 1, 512)
+    assert replica.thresholds is not None
+    replica.thresholds.observe_costs(draft_step_s=1.0, target_step_s=4.0)
+    replica.thresholds.observe_generation([sure] * 98 + [unsure] * 8, [True] * 98 + [False] * 8)
+    # from position 1: sure, sure, unsure -> the unsure token (the third) is kept and the draft ends there
+    outcome = runs.draw("a", 8, np.random.default_rng(0), position=1)
+    assert replica._stop(outcome, 8) == 3
+    with pytest.raises(ValueError, match="confidence stop applies to a draft model"):
+        SpecPolicy("fixed", 4, free_proposals=False, confidence_stop=True)
 
 
 def test_rates_from_a_trace():

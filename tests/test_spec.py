@@ -143,6 +143,7 @@ def test_sampled_speculation_is_seeded_and_in_vocabulary():
         ({"method": "ngram", "draft_vocab_size": 4096}, "draft_vocab_size only applies to methods draft, layer-skip"),
         ({"method": "draft", "model": "m", "quantization": "int8"}, "quantization must be null"),
         ({"method": "layer-skip", "quantization": "int4"}, "quantization applies to a separate draft model"),
+        ({"method": "draft", "model": "m", "draft_stop": "entropy"}, "draft_stop must be one of confidence, none"),
     ],
 )
 def test_invalid_configs_are_refused(config, message):

@@ -118,6 +118,7 @@ def check_positive(name: str, value: object, alternative: str = "") -> None:
 SPEC_METHODS = ("ngram", "draft", "layer-skip", "medusa", "hydra", "eagle", "dart", "lookahead")
 # methods that draft from the target's hidden states with a trained file (heads/)
 HEAD_METHODS = ("medusa", "hydra", "eagle", "dart")
+DRAFT_STOPS = ("confidence", "none")  # SpeculativeConfig.draft_stop
 DRAFT_VOCAB_METHODS = ("draft", "layer-skip")  # the proposers that run a model's own LM head
 
 
@@ -154,6 +155,10 @@ class SpeculativeConfig:
     # spec/acceptance.py. "typical", "adasd" and "adasd-verification" are LOSSY: output is no longer the
     # target's own. A request may pick another policy (LLMEngine.add_request(acceptance=), HTTP "acceptance").
     acceptance: str = "exact"
+    # methods "draft" / "layer-skip" in auto mode: "confidence" (the default) lets the draft stop where it turns
+    # unsure (spec/acceptance.py, AdaptiveThresholds.draft_more; lossless), the controller's k being the cap;
+    # "none": the controller's k is the draft length. A fixed k is always drafted in full.
+    draft_stop: str = "confidence"
     typical_epsilon: float = TYPICAL_EPSILON  # typical acceptance: p(x) > min(epsilon, delta * exp(-H(p)))
     typical_delta: float = TYPICAL_DELTA
     # methods "draft" / "layer-skip": the draft's LM head scores this many frequent tokens plus each request's own
@@ -210,6 +215,8 @@ class SpeculativeConfig:
         if v not in ("auto", None, 0) and self.method not in DRAFT_VOCAB_METHODS:
             raise ValueError(f"draft_vocab_size only applies to methods {', '.join(DRAFT_VOCAB_METHODS)}, not "
                              f"{self.method!r}")
+        if self.draft_stop not in DRAFT_STOPS:
+            raise ValueError(f"draft_stop must be one of {', '.join(DRAFT_STOPS)}, got {self.draft_stop!r}")
         if self.quantization not in (None, "int4"):
             raise ValueError(f"quantization must be null (the draft file's own values) or \"int4\", got "
                              f"{self.quantization!r}")
@@ -225,6 +232,11 @@ class SpeculativeConfig:
     @property
     def is_auto(self) -> bool:
         return self.num_speculative_tokens == "auto"
+
+    @property
+    def confidence_stop(self) -> bool:
+        """Whether a draft model's drafts end where it turns unsure when the engine is in auto mode (draft_stop)."""
+        return self.draft_stop == "confidence" and self.method in DRAFT_VOCAB_METHODS
 
     @property
     def k_limit(self) -> int:

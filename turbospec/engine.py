@@ -14,7 +14,7 @@ import torch
 
 from .config import REQUEST_DETERMINISTIC_MODES, EngineConfig
 from .control.acceptance import make_estimator
-from .control.controller import Candidate, GoodputController, base_step
+from .control.controller import Candidate, GoodputController, base_step, widen_lone_request
 from .control.step_time import StepFeatures, StepSample
 from .determinism.exact import COMPETITORS, ExactDecoding, PickedRows
 from .kv.block_manager import BlockManager
@@ -32,6 +32,7 @@ from .sampler import SamplingBatch, compute_logprobs, fold_seed, make_generator,
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .spec.acceptance import AdaptiveThresholds, relax_drafts
+from .spec.draft_model import DraftModelProposer
 from .spec.factory import build_proposer
 from .spec.ngram import NgramProposer
 from .spec.policies import DRAFT_DISTRIBUTION_POLICIES, LOSSLESS_POLICIES, RELAXES_JS, STOPS_DRAFTING, check_policy
@@ -406,7 +407,14 @@ class LLMEngine:
         candidates = [Candidate(r.request_id, k, r.num_tokens, self.proposer.catch_up_tokens(r),
                                 r.params.max_tokens - r.num_output_tokens) for r, k in zip(decoding, caps)]
         ks = self._cold_start_probe(candidates, self.controller.choose(candidates, base, spare_tokens))
+        if self._confidence_stop():
+            ks = widen_lone_request(ks, caps, spare_tokens)
         return {r.request_id: k for r, k in zip(decoding, ks)}
+
+    def _confidence_stop(self) -> bool:
+        """In auto mode a draft model's drafts end where it turns unsure (SpeculativeConfig.draft_stop)."""
+        return (self.spec_mode == "auto" and self.spec is not None and self.spec.confidence_stop
+                and isinstance(self.proposer, DraftModelProposer))
 
     def _cold_start_probe(self, candidates: list[Candidate], ks: list[int]) -> list[int]:
         """Draft once for a draft model the controller has never seen verified. Its acceptance is then only the
@@ -454,10 +462,13 @@ class LLMEngine:
             for s in spec:
                 s.request.spec_token_ids = self._ngram_drafts.get(s.request.request_id, [])[: s.num_spec_tokens]
             return 0, 0, 0
-        # a draft model runs over the tokens it has not seen, then one token per further draft step
-        draft_tokens = sum(self.proposer.catch_up_tokens(s.request) + s.num_spec_tokens - 1 for s in spec) \
-            if self.proposer.runs_model else 0
+        # a draft model runs over the tokens it has not seen, then one token per further draft step (counted once
+        # drafted: a confidence stop may end a draft before its k)
+        catch_up = [self.proposer.catch_up_tokens(s.request) for s in spec] if self.proposer.runs_model else []
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.confidence_stop = self._confidence_stop()
         drafts = self.proposer.propose([s.request for s in spec], [s.num_spec_tokens for s in spec])
+        draft_tokens = sum(c + max(len(d.tokens), 1) - 1 for c, d in zip(catch_up, drafts))
         for s, d in zip(spec, drafts):
             s.request.spec_token_ids = d.tokens
             # a chain verifies on the linear path unless the proposer reads the tree's rows (lookahead)
@@ -631,7 +642,8 @@ class LLMEngine:
                             [None if r.spec_draft_probs is None else r.spec_draft_probs[: n - 1] for r, _, n in picked],
                             [r.generator for r in reqs], relaxed)
             emitted, accepted = result.tokens, result.num_accepted
-            if relaxed is not None or any(r.acceptance in DRAFT_DISTRIBUTION_POLICIES for r in reqs):
+            if relaxed is not None or any(r.acceptance in DRAFT_DISTRIBUTION_POLICIES or r.spec_draft_entropy
+                                          for r in reqs):  # (entropies of exact requests: the confidence stop's)
                 self._observe_relaxation(reqs, drafts, accepted, result.exact_accepted, distances)
         if self.logit_trace is not None:  # calibration: each request's top scores at the token it sampled
             for r, row, n in picked:
@@ -678,7 +690,8 @@ class LLMEngine:
             self.spec_stats.num_relaxed_tokens += relaxed
             if req.acceptance in RELAXES_JS:
                 self.adaptive_thresholds.observe_verification(distances[pos: pos + reached], flags[:reached])
-            if req.acceptance in STOPS_DRAFTING and req.spec_draft_entropy:
+            stops = req.acceptance in STOPS_DRAFTING or req.acceptance not in DRAFT_DISTRIBUTION_POLICIES
+            if stops and req.spec_draft_entropy:  # AdaSD's rule or the confidence stop: both read this table
                 self.adaptive_thresholds.observe_generation(req.spec_draft_entropy[:reached],
                                                             [j < n_acc for j in range(reached)])
             pos += k

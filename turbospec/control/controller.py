@@ -72,6 +72,21 @@ def base_step(decode_contexts: list[int], pending: list[tuple[int, int]], budget
     return f, max(budget, 0)
 
 
+def widen_lone_request(ks: list[int], caps: list[int], budget: int) -> list[int]:
+    """Draft lengths for a proposer that ends each draft where it turns unsure (the confidence stop,
+    SpeculativeConfig.draft_stop). When a single request decodes and the controller lets it draft, it may draft up
+    to its cap (within the step's spare tokens): how far is then the draft's own call, which sees each token's
+    confidence where the controller sees only averages per position. With several requests the controller's ks
+    stay the caps (the stop may only cut them): the stop weighs one request's next draft forward against its own
+    tokens, not the longer batched draft and verification every other request of the step would wait for.
+
+    Replayed on recorded runs (benchmarks/results/adaptive_replay.md), widening for one request beat the best
+    fixed k at batch 1; widening every request lost up to 25% of it at batch 4."""
+    if len(ks) != 1 or ks[0] == 0:
+        return ks
+    return [max(ks[0], min(caps[0], budget))]
+
+
 class GoodputController:
     def __init__(self, model: StepTimeModel, estimator: AcceptanceEstimator, switch_on_gain: float = SWITCH_ON_GAIN,
                  tree_levels: int = 0) -> None:

@@ -6,7 +6,11 @@ k <= offered drafts then accepts min(run, k). Drawing the run first keeps a step
 the policy picks, and lets the controller see the position after the last verified draft, as the engine's
 n-gram path does.
 
-Two sources:
+Three sources:
+- ``TextRuns``: for greedy chains (a draft model, a layer-skip draft), the run the target accepts depends only on
+  where in the answer the draft starts: while its drafts match, it reads the answer's own tokens. So each
+  position's run, measured once teacher-forced, replays any policy exactly (no censoring: a k never tried is
+  still known). ``benchmarks/adaptive_replay.py`` records them.
 - ``TraceReplay``: the recorded outcome sequence of each request, in order (records as ``engine.verify_trace``
   writes them, with (request, 0, 0) for decoding steps that verified nothing). The faithful choice when
   simulating the very requests that were recorded; a request without records falls back to rates.
@@ -31,6 +35,8 @@ TraceRecord = tuple[str, int, int]  # (request id, drafts verified, drafts accep
 class Outcome:
     offered: int  # drafts the proposer has this step (<= the cap asked for)
     run: int  # leading drafts the target agrees with (<= offered)
+    # the draft's entropy (nats) at each offered position, where recorded: what a confidence stop reads
+    entropies: tuple[float, ...] = ()
 
     def accepted(self, k: int) -> int:
         return min(self.run, k)
@@ -38,8 +44,9 @@ class Outcome:
 
 class AcceptanceModel(ABC):
     @abstractmethod
-    def draw(self, request_id: str, cap: int, rng: np.random.Generator) -> Outcome:
-        """This decoding step's outcome for a request that may verify up to `cap` drafts."""
+    def draw(self, request_id: str, cap: int, rng: np.random.Generator, position: int = 0) -> Outcome:
+        """This decoding step's outcome for a request that may verify up to `cap` drafts, having emitted
+        `position` tokens so far."""
 
     def free(self, request_id: str) -> None:
         """The request finished."""
@@ -63,7 +70,7 @@ class PositionRates(AcceptanceModel):
     def rate(self, position: int) -> float:
         return self.rates[min(position, len(self.rates) - 1)]
 
-    def draw(self, request_id: str, cap: int, rng: np.random.Generator) -> Outcome:
+    def draw(self, request_id: str, cap: int, rng: np.random.Generator, position: int = 0) -> Outcome:
         if cap <= 0 or rng.random() >= self.proposal_share:
             return Outcome(0, 0)
         run = 0
@@ -84,7 +91,7 @@ class TraceReplay(AcceptanceModel):
         self.replayed = 0  # outcomes taken from the records
         self.drawn = 0  # outcomes drawn from the fallback
 
-    def draw(self, request_id: str, cap: int, rng: np.random.Generator) -> Outcome:
+    def draw(self, request_id: str, cap: int, rng: np.random.Generator, position: int = 0) -> Outcome:
         queue = self._queues.get(request_id)
         if queue:
             num_draft, num_accepted = queue.popleft()
@@ -96,6 +103,26 @@ class TraceReplay(AcceptanceModel):
 
     def free(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+
+
+class TextRuns(AcceptanceModel):
+    """runs[request][p]: how many drafts in a row the target accepts when the request drafts after emitting p
+    tokens (greedy chains: fixed by the text); entropies[request][p], if given, the draft's entropy for the
+    answer's token p. Every step offers the full cap."""
+
+    def __init__(self, runs: dict[str, list[int]], entropies: dict[str, list[float]] | None = None) -> None:
+        bad = [rid for rid, r in runs.items() if any(n < 0 for n in r)]
+        if bad:
+            raise ValueError(f"accepted runs must be >= 0 (requests {bad[:3]})")
+        self.runs = runs
+        self.entropies = entropies or {}
+
+    def draw(self, request_id: str, cap: int, rng: np.random.Generator, position: int = 0) -> Outcome:
+        runs = self.runs[request_id]
+        if cap <= 0:
+            return Outcome(0, 0)
+        run = runs[position] if position < len(runs) else 0
+        return Outcome(cap, min(run, cap), tuple(self.entropies.get(request_id, [])[position: position + cap]))
 
 
 def rates_from_trace(records: list[TraceRecord], max_positions: int = 16) -> PositionRates:

@@ -14,7 +14,7 @@ from itertools import islice
 import numpy as np
 
 from ..control.acceptance import DEFAULT_ESTIMATOR, make_estimator
-from ..control.controller import Candidate, GoodputController, base_step
+from ..control.controller import Candidate, GoodputController, base_step, widen_lone_request
 from ..control.step_time import StepFeatures
 from .acceptance import AcceptanceModel, Outcome
 from .batching import BatchScheduler, LiveRequest, Scheduled
@@ -36,10 +36,15 @@ class SpecPolicy:
     free_proposals: bool = True
     estimator: str = DEFAULT_ESTIMATOR
     prior: float = 0.6
+    # auto mode with a draft model: each draft ends where the draft turns unsure (the engine's draft_stop
+    # "confidence"), read from the outcomes' recorded entropies
+    confidence_stop: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in SPEC_MODES:
             raise ValueError(f"speculation mode must be one of {', '.join(SPEC_MODES)}, got {self.mode!r}")
+        if self.confidence_stop and (self.mode != "auto" or self.free_proposals):
+            raise ValueError("the confidence stop applies to a draft model (free_proposals=False) in auto mode")
         if self.mode != "off" and self.k < 1:
             what = "fixed" if self.mode == "fixed" else "most"
             raise ValueError(f"speculation {self.mode!r} needs k >= 1 (the {what} drafts per request and step), "
@@ -68,6 +73,11 @@ class Replica:
         self.rng = np.random.default_rng(seed)
         self.controller = (GoodputController(cost.model, make_estimator(policy.estimator, policy.prior))
                            if policy.mode == "auto" else None)
+        self.thresholds = None  # the confidence stop's acceptance-by-entropy table and cost ratio
+        if policy.confidence_stop:
+            from ..spec.acceptance import AdaptiveThresholds  # (imports torch: only when used)
+
+            self.thresholds = AdaptiveThresholds.fresh()
         self.busy_until: float | None = None  # end of the step in flight
         self.steps: list[StepRecord] | None = [] if record_steps else None
         self.num_steps = 0
@@ -110,13 +120,16 @@ class Replica:
             k = 0
             outcome = self._outcomes.get(s.live.req.request_id)
             if s.samples and outcome is not None:
-                k = min(s.reserved, outcome.offered)
+                k = self._stop(outcome, min(s.reserved, outcome.offered))
                 ks.append(k)
             verified.append((s, k))
             features.add(s.start, s.num_new, k)
             if k and not self.policy.free_proposals:  # a draft model runs one token per draft (catch-up of 1)
                 features.draft_tokens += k
         seconds = self.cost.seconds(features)
+        if self.thresholds is not None and features.draft_steps:  # what the engine measures of each step
+            draft_s = self.cost.model.predict_part("draft", features)
+            self.thresholds.observe_costs(draft_step_s=draft_s / features.draft_steps, target_step_s=seconds - draft_s)
         self._batch = verified
         self.busy_until = now + seconds
         self.num_steps += 1
@@ -162,6 +175,10 @@ class Replica:
             live.first_token_s = now
         if self.controller is not None and outcome is not None:
             self._observe(rid, k, accepted, outcome)
+        if self.thresholds is not None and k and outcome is not None:
+            reached = min(accepted + 1, k)
+            self.thresholds.observe_generation(list(outcome.entropies[:reached]),
+                                               [j < accepted for j in range(reached)])
 
     # --- speculation -------------------------------------------------------------------------------------
 
@@ -173,7 +190,7 @@ class Replica:
         for r, cap in zip(decoding, caps):
             rid = r.req.request_id
             if rid not in self._outcomes:
-                self._outcomes[rid] = self.acceptance.draw(rid, cap, self.rng)
+                self._outcomes[rid] = self.acceptance.draw(rid, cap, self.rng, r.output)
         if self.controller is None:
             return {r.req.request_id: cap for r, cap in zip(decoding, caps)}
         k_max = [min(cap, self._outcomes[r.req.request_id].offered) if self.policy.free_proposals else cap
@@ -182,7 +199,20 @@ class Replica:
         candidates = [Candidate(r.req.request_id, k, r.num_tokens, 0, r.remaining_output)
                       for r, k in zip(decoding, k_max)]
         ks = self.controller.choose(candidates, base, spare)
+        if self.thresholds is not None:
+            ks = widen_lone_request(ks, k_max, spare)
         return {r.req.request_id: k for r, k in zip(decoding, ks)}
+
+    def _stop(self, outcome: Outcome, k: int) -> int:
+        """The drafts kept of k offered: all of them, or up to where the confidence stop ends the draft."""
+        if self.thresholds is None or not outcome.entropies:
+            return k
+        survival, expected = 1.0, 0.0
+        for j, h in enumerate(outcome.entropies[:k]):
+            survival, expected, more = self.thresholds.draft_more(h, j, survival, expected)
+            if not more:
+                return j + 1
+        return k
 
     def _base_features(self, decoding: list[LiveRequest]) -> tuple[StepFeatures, int]:
         """The step without drafts (decodes plus the prefill it can fit) and the budget left for drafts."""

@@ -60,6 +60,9 @@ class DraftModelProposer(Proposer):
         self.computed: dict[str, int] = {}
         self.pending: dict[str, _Pending] = {}
         self.vocab: DraftVocabulary | None = None  # a cut draft vocabulary (draft_vocab.py); None: the full head
+        # set by the engine for each call: lossless requests stop drafting where the draft turns unsure
+        # (AdaptiveThresholds.draft_more); their k is then a cap
+        self.confidence_stop = False
 
     @classmethod
     def for_model(cls, loaded: LoadedModel, num_blocks: int, block_size: int, dtype: torch.dtype, device: str,
@@ -134,6 +137,12 @@ class DraftModelProposer(Proposer):
                 drafts[i].tokens.append(tok)
                 if req.generator is not None:
                     q_rows[i].append(probs[row])
+                if soft is not None and self._stops_when_unsure(req):
+                    drafts[i].entropies = (drafts[i].entropies or []) + [ent[row]]
+                    survival[i], expected[i], more = self.thresholds.draft_more(ent[row], step, survival[i],
+                                                                                expected[i])
+                    if not more:
+                        limit[i] = step + 1
         for i in active:
             req = requests[i]
             fed = steps_run[i] - 1  # draft tokens run through the draft model (every step feeds the one before)
@@ -149,11 +158,15 @@ class DraftModelProposer(Proposer):
               ) -> tuple[torch.Tensor | None, list[float]]:
         """The distribution AdaSD reads per row (untempered softmax for greedy rows) and its entropy, or None
         when no request of this step uses a policy that reads it."""
-        if not any(r.acceptance in DRAFT_DISTRIBUTION_POLICIES for r in reqs):
+        if not any(r.acceptance in DRAFT_DISTRIBUTION_POLICIES or self._stops_when_unsure(r) for r in reqs):
             return None, []
         greedy = torch.tensor([r.generator is None for r in reqs], device=logits.device).unsqueeze(1)
         soft = torch.where(greedy, logits.float().softmax(dim=-1), probs)
         return soft, entropy(soft).tolist()
+
+    def _stops_when_unsure(self, req: Request) -> bool:
+        """The confidence stop applies to this request (AdaSD's policies have their own rule)."""
+        return self.confidence_stop and req.acceptance not in DRAFT_DISTRIBUTION_POLICIES
 
     def catch_up_tokens(self, request: Request) -> int:
         return request.num_tokens - self.computed.get(request.request_id, 0)
