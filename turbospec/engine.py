@@ -35,7 +35,7 @@ from .spec.acceptance import AdaptiveThresholds, relax_drafts
 from .spec.draft_model import DraftModelProposer
 from .spec.factory import build_proposer
 from .spec.ngram import NgramProposer
-from .spec.policies import DRAFT_DISTRIBUTION_POLICIES, LOSSLESS_POLICIES, RELAXES_JS, STOPS_DRAFTING, check_policy
+from .spec.policies import LOSSLESS_POLICIES, RELAXES_JS, check_policy
 from .spec.stats import SpecDecodingStats
 from .spec.tree import accepts_trees, compaction, verify_tree_greedy, verify_tree_sampled
 from .spec.verifier import synthetic_verify, verify
@@ -642,8 +642,7 @@ class LLMEngine:
                             [None if r.spec_draft_probs is None else r.spec_draft_probs[: n - 1] for r, _, n in picked],
                             [r.generator for r in reqs], relaxed)
             emitted, accepted = result.tokens, result.num_accepted
-            if relaxed is not None or any(r.acceptance in DRAFT_DISTRIBUTION_POLICIES or r.spec_draft_entropy
-                                          for r in reqs):  # (entropies of exact requests: the confidence stop's)
+            if relaxed is not None or any(r.spec_draft_entropy for r in reqs):  # (a stop rule read entropies)
                 self._observe_relaxation(reqs, drafts, accepted, result.exact_accepted, distances)
         if self.logit_trace is not None:  # calibration: each request's top scores at the token it sampled
             for r, row, n in picked:
@@ -690,8 +689,7 @@ class LLMEngine:
             self.spec_stats.num_relaxed_tokens += relaxed
             if req.acceptance in RELAXES_JS:
                 self.adaptive_thresholds.observe_verification(distances[pos: pos + reached], flags[:reached])
-            stops = req.acceptance in STOPS_DRAFTING or req.acceptance not in DRAFT_DISTRIBUTION_POLICIES
-            if stops and req.spec_draft_entropy:  # AdaSD's rule or the confidence stop: both read this table
+            if req.spec_draft_entropy:  # AdaSD's rule or the confidence stop read these: both learn from them
                 self.adaptive_thresholds.observe_generation(req.spec_draft_entropy[:reached],
                                                             [j < n_acc for j in range(reached)])
             pos += k

@@ -133,16 +133,17 @@ class DraftModelProposer(Proposer):
                             continue
                         survival[i], expected[i] = kept, expected[i] + kept
                     soft_rows[i].append(soft[row])
-                    drafts[i].entropies = (drafts[i].entropies or []) + [ent[row]]
                 drafts[i].tokens.append(tok)
                 if req.generator is not None:
                     q_rows[i].append(probs[row])
                 if soft is not None and self._stops_when_unsure(req):
-                    drafts[i].entropies = (drafts[i].entropies or []) + [ent[row]]
                     survival[i], expected[i], more = self.thresholds.draft_more(ent[row], step, survival[i],
                                                                                 expected[i])
                     if not more:
                         limit[i] = step + 1
+                if soft is not None and (req.acceptance in STOPS_DRAFTING or self._stops_when_unsure(req)):
+                    # what a stop rule read: verification then tells the table whether this token was accepted
+                    drafts[i].entropies = (drafts[i].entropies or []) + [ent[row]]
         for i in active:
             req = requests[i]
             fed = steps_run[i] - 1  # draft tokens run through the draft model (every step feeds the one before)

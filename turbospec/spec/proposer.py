@@ -18,7 +18,9 @@ class Draft:
     # (n-gram lookup, or greedy drafting): the verifier then treats q as one-hot at the token.
     probs: torch.Tensor | None = None
     # For acceptance policies that read the draft's distribution (spec/acceptance.py): [len(tokens), V] rows
-    # (untempered softmax for greedy requests) and their entropies in nats. None when no policy asked.
+    # (untempered softmax for greedy requests). entropies: the draft entropy (nats) at each token a stop rule
+    # read (AdaSD's generation rule, the confidence stop), which verification feeds back into its table. None
+    # when neither applies.
     soft_probs: torch.Tensor | None = None
     entropies: list[float] | None = None
     # when the candidates branch: their tree, whose nodes in order are `tokens` (spec/tree.py); None for a chain
