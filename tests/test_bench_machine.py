@@ -68,14 +68,33 @@ def test_zoo_speedup_after_the_first_token_leaves_prefill_out():
 
 
 @pytest.mark.parametrize("script, result", [("proposer_zoo", "proposer_zoo_qwen_zen5_eagle8_tuned10"),
-                                            ("eagle_draft_cost", "eagle_draft_cost")])
-def test_committed_results_render_again_from_their_json(script, result):
+                                            ("eagle_draft_cost", "eagle_draft_cost"),
+                                            ("head_ab", "head_ab_qwen_eagle_stage3")])
+def test_committed_results_render_again_from_their_json(script, result, monkeypatch):
     """The benchmarks' markdown (with the shared header_lines) is what the committed .md files hold."""
     import json
 
     root = Path(__file__).resolve().parent.parent
+    monkeypatch.syspath_prepend(str(root / "benchmarks"))  # head_ab imports proposer_zoo, as it does when run
     module = _load_script(script)
     data = json.loads((root / "benchmarks" / "results" / f"{result}.json").read_text())
     table = module.markdown(data["meta"], data["rows"])
     assert table.strip() == (root / "benchmarks" / "results" / f"{result}.md").read_text().strip()
     assert header_lines(data["meta"])[0] in table
+
+
+@pytest.mark.parametrize("heads, message", [("heads/smollm2-135m-eagle.safetensors", "at least two files"),
+                                            ("heads/smollm2-135m-eagle.safetensors,heads/no-such.safetensors",
+                                             "no such file: heads/no-such.safetensors"),
+                                            ("heads/smollm2-135m-eagle.safetensors,heads/smollm2-135m-eagle"
+                                             ".safetensors", "the same file twice")])
+def test_head_ab_refuses_what_it_cannot_compare(heads, message, monkeypatch, capsys):
+    """Exit 2 with what is wrong, before any model loads."""
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.syspath_prepend(str(root / "benchmarks"))
+    monkeypatch.chdir(root)
+    monkeypatch.setattr("sys.argv", ["head_ab.py", "--heads", heads])
+    with pytest.raises(SystemExit) as exit_info:
+        _load_script("head_ab").main()
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
