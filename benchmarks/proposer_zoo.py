@@ -176,7 +176,7 @@ def _after_first_rate(s: dict[str, Any]) -> float:
     return (s["tokens"] - len(s["outputs"])) / (s["seconds"] - s["first_token_seconds"])
 
 
-def _after_first_lines(rows: list[dict[str, Any]]) -> list[str]:
+def after_first_lines(rows: list[dict[str, Any]]) -> list[str]:
     """Per model: plain's share of time before the first token (prefill) and each speculative row's speedup after
     it (results since 2026-12-03 record the first token's time)."""
     lines = []
@@ -232,7 +232,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         label = LABELS[r["row"]] + (f" ({r['best']})" if r.get("best") else "")
         lines.append(f"| {r['model']} | {label} | {' | '.join(cells)} | {same:.2f} |")
     lines.append("")
-    lines += _after_first_lines(rows)
+    lines += after_first_lines(rows)
     for adaptive in (r for r in rows if r["row"] == "adaptive" and "sets" in r):
         for other, what in (("best-fixed-alongside", f"the best fixed row ({adaptive.get('best')})"),
                             ("plain-alongside", "plain decoding")):

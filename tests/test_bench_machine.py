@@ -38,12 +38,19 @@ def test_the_commit_is_marked_when_tracked_files_changed(tmp_path, monkeypatch):
 
 
 def _load_script(script: str):
+    """A benchmark script as a module, its directory on sys.path while it loads (as when it runs: scripts import
+    each other, e.g. head_ab imports proposer_zoo)."""
     import importlib.util
+    import sys
 
-    root = Path(__file__).resolve().parent.parent
-    spec = importlib.util.spec_from_file_location(script, root / "benchmarks" / f"{script}.py")
+    benchmarks = str(Path(__file__).resolve().parent.parent / "benchmarks")
+    spec = importlib.util.spec_from_file_location(script, Path(benchmarks) / f"{script}.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, benchmarks)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(benchmarks)
     return module
 
 
@@ -62,20 +69,20 @@ def test_zoo_speedup_after_the_first_token_leaves_prefill_out():
     rows.insert(1, {"model": "m", "row": "sps", "missing": "no smaller model with this tokenizer is packaged"})
     eagle = rows[2]["sets"]["humaneval"]
     assert eagle["speedup"] == pytest.approx(10 / 7) and eagle["after_first_speedup"] == pytest.approx(2.0)
-    assert zoo._after_first_lines(rows) == [
+    assert zoo.after_first_lines(rows) == [
         "- m: plain spent humaneval 40% of its time before each prompt's first token (prefill, paid alike by every "
         "row); speedup after the first token, humaneval: eagle 2.00x"]
 
 
 @pytest.mark.parametrize("script, result", [("proposer_zoo", "proposer_zoo_qwen_zen5_eagle8_tuned10"),
                                             ("eagle_draft_cost", "eagle_draft_cost"),
-                                            ("head_ab", "head_ab_qwen_eagle_stage3")])
-def test_committed_results_render_again_from_their_json(script, result, monkeypatch):
+                                            ("head_ab", "head_ab_qwen_eagle_stage3"),
+                                            ("eagle_vocab", "eagle_vocab_qwen")])
+def test_committed_results_render_again_from_their_json(script, result):
     """The benchmarks' markdown (with the shared header_lines) is what the committed .md files hold."""
     import json
 
     root = Path(__file__).resolve().parent.parent
-    monkeypatch.syspath_prepend(str(root / "benchmarks"))  # head_ab imports proposer_zoo, as it does when run
     module = _load_script(script)
     data = json.loads((root / "benchmarks" / "results" / f"{result}.json").read_text())
     table = module.markdown(data["meta"], data["rows"])
@@ -87,14 +94,24 @@ def test_committed_results_render_again_from_their_json(script, result, monkeypa
                                             ("heads/smollm2-135m-eagle.safetensors,heads/no-such.safetensors",
                                              "no such file: heads/no-such.safetensors"),
                                             ("heads/smollm2-135m-eagle.safetensors,heads/smollm2-135m-eagle"
-                                             ".safetensors", "the same file twice")])
+                                             ".safetensors", "the same file twice"),
+                                            ("heads/smollm2-135m-eagle.safetensors,heads/smollm2-135m-medusa"
+                                             ".safetensors", "holds medusa heads, not eagle")])
 def test_head_ab_refuses_what_it_cannot_compare(heads, message, monkeypatch, capsys):
     """Exit 2 with what is wrong, before any model loads."""
-    root = Path(__file__).resolve().parent.parent
-    monkeypatch.syspath_prepend(str(root / "benchmarks"))
-    monkeypatch.chdir(root)
-    monkeypatch.setattr("sys.argv", ["head_ab.py", "--heads", heads])
+    _assert_refused("head_ab", ["--heads", heads], message, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("heads, message", [("heads/no-such.safetensors", "No such file"),
+                                            ("heads/smollm2-135m-hydra.safetensors", "holds hydra heads, not eagle")])
+def test_eagle_vocab_refuses_a_file_without_an_eagle_draft(heads, message, monkeypatch, capsys):
+    _assert_refused("eagle_vocab", ["--heads", heads], message, monkeypatch, capsys)
+
+
+def _assert_refused(script: str, argv: list[str], message: str, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)
+    monkeypatch.setattr("sys.argv", [f"{script}.py", *argv])
     with pytest.raises(SystemExit) as exit_info:
-        _load_script("head_ab").main()
+        _load_script(script).main()
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err

@@ -23,7 +23,7 @@ import torch
 
 from .dart import DartConfig, DartDraft, ngram_table
 from .eagle import EagleDraft
-from .eagle_training import WINDOW, FlatExamples, _examples, features_path, position_loss, target_features
+from .eagle_training import WINDOW, FlatExamples, features_path, flat_examples, position_loss, target_features
 from .head_training import (
     TrainHeadOptions,
     cached,
@@ -90,8 +90,8 @@ def train_dart(engine: LLMEngine, opts: TrainHeadOptions, out_path: Path, base_p
     layers = base.config.feature_layers
     feats = cached(features_path(engine.config.model, opts, n_seqs, suffix),
                    lambda: target_features(engine, train_seqs + split.held_out, layers, WINDOW, progress))
-    train = _examples(train_seqs, feats[: len(train_seqs)], WINDOW)
-    held_out = _examples(split.held_out, feats[-len(split.held_out):], WINDOW)
+    train = flat_examples(train_seqs, feats[: len(train_seqs)], WINDOW)
+    held_out = flat_examples(split.held_out, feats[-len(split.held_out):], WINDOW)
     remap = vocab_remap(base.vocab, cfg.vocab_size)
 
     base_name = base_path.name if base_path.parent.resolve() == out_path.parent.resolve() else str(base_path.resolve())

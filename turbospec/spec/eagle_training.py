@@ -87,7 +87,7 @@ class FlatExamples:
     seq_end: torch.Tensor  # [N] one past the last flat index of each position's sequence
 
 
-def _examples(sequences: list[tuple[list[int], int]], feats: Features, window: int) -> FlatExamples:
+def flat_examples(sequences: list[tuple[list[int], int]], feats: Features, window: int) -> FlatExamples:
     """Flat rows of every sequence, and the examples: answer positions with a full window."""
     all_feats, all_next, all_choice, examples, ends = [], [], [], [], []
     base = 0
@@ -180,8 +180,8 @@ def train_eagle(engine: LLMEngine, opts: TrainHeadOptions, out_path: Path, resum
     feats = cached(features_path(engine.config.model, opts, n_seqs),
                    lambda: target_features(engine, split.train + split.held_out, layers, WINDOW, progress))
     depth = opts.num_heads
-    train = _examples(split.train, feats[: len(split.train)], WINDOW)
-    held_out = _examples(split.held_out, feats[len(split.train):], WINDOW)
+    train = flat_examples(split.train, feats[: len(split.train)], WINDOW)
+    held_out = flat_examples(split.held_out, feats[len(split.train):], WINDOW)
     h = cfg.hidden_size
     model = engine.loaded.model
     init: dict[str, object] | None = None
