@@ -38,9 +38,12 @@ sys.path.insert(0, str(ROOT))
 
 DRAFT = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 SINGLE = ("hf-plain", "hf-prompt-lookup", "llama.cpp-plain", "llama.cpp-prompt-lookup", "turbospec-bf16",
-          "turbospec-int4", "turbospec-auto", "turbospec-auto-noamx", "turbospec-pld-k4", "turbospec-sps-k4",
+          "turbospec-int4", "turbospec-auto", "turbospec-auto-noamx", "turbospec-auto-nodpbf16", "turbospec-pld-k4", "turbospec-sps-k4",
           "turbospec-sps-k4-int4draft", "turbospec-sps-auto", "turbospec-adaptive")
 NO_AMX = "-noamx"  # rows run with TURBOSPEC_NO_AMX=1: torch's int4 and our AVX-512 int8 kernel, side by side
+# ... and with TURBOSPEC_NO_DPBF16=1 on CPUs without AMX: none of our AVX512-BF16 kernels (packed records, bf16 rows)
+NO_DPBF16 = "-nodpbf16"
+ROW_ENV = {NO_AMX: "TURBOSPEC_NO_AMX", NO_DPBF16: "TURBOSPEC_NO_DPBF16"}
 CONCURRENT = ("llama.cpp-16", "turbospec-auto-16", "turbospec-adaptive-16")
 
 
@@ -50,7 +53,7 @@ def turbospec_options(row: str, model: str) -> tuple[str, dict[str, Any] | None]
         return "bf16", None
     if row == "turbospec-int4":
         return "int4", None
-    if row in ("turbospec-auto", "turbospec-auto-16", "turbospec-auto" + NO_AMX):
+    if row in ("turbospec-auto", "turbospec-auto-16", "turbospec-auto" + NO_AMX, "turbospec-auto" + NO_DPBF16):
         return "auto", None
     if row == "turbospec-pld-k4":
         return "auto", {"method": "ngram", "num_speculative_tokens": 4}
@@ -295,7 +298,7 @@ def main() -> None:
                 result = run_llama_cpp(row_job, args.llamacpp_python, tmp)
             else:
                 (tmp / "job.json").write_text(json.dumps(row_job))
-                env = {**os.environ, "TURBOSPEC_NO_AMX": "1"} if row.endswith(NO_AMX) else None
+                env = next(({**os.environ, var: "1"} for end, var in ROW_ENV.items() if row.endswith(end)), None)
                 subprocess.run([sys.executable, __file__, "--job", str(tmp / "job.json"), "--result",
                                 str(tmp / "result.json")], check=True, env=env)
                 result = json.loads((tmp / "result.json").read_text())

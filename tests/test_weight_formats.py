@@ -104,29 +104,55 @@ def test_amx_layout_holds_the_files_values(type_name):
         assert torch.equal(part.dequantize(), exact)
 
 
-@pytest.mark.skipif(not kernels.amx_available(), reason="this CPU has no AMX (the layout test above runs anyway)")
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0"])
-def test_amx_kernels_match_the_dequantised_reference_for_every_row_count(type_name):
-    n, k = 80, 1024  # 5 blocks of 16 outputs: runs of three (two for int6) and single blocks per thread share
+def _record_paths() -> list:
+    """The kernels that run the tile-order records on this CPU, each a test case; the others skip with the reason."""
+    available = {"amx": kernels.amx_available(), "dpbf16": kernels.dpbf16_records_available()}
+    why = {"amx": "this CPU has no AMX", "dpbf16": "this CPU has no AVX512-BF16 (or TURBOSPEC_NO_DPBF16 is set)"}
+    return [pytest.param(path, marks=pytest.mark.skipif(not ok, reason=f"{why[path]} (the layout test above runs "
+                                                        "anyway)")) for path, ok in available.items()]
+
+
+@pytest.mark.parametrize("path", _record_paths())
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q4_0", "Q4_1", "Q6_K", "Q5_0", "Q8_0"])
+def test_record_kernels_match_the_dequantised_reference_for_every_row_count(type_name, path):
+    n, k = 80, 1024  # 5 blocks of 16 outputs: runs of several blocks and single blocks per thread share the work
     groups = gguf_blocks.decode(random_blocks(type_name, n, k), type_name, n, k)
     part = _amx_part(groups)
-    assert part.kind == {"Q4_K": "amx-int4", "Q6_K": "amx-int6", "Q8_0": "amx-int8"}[type_name]
+    kind = {"Q4_K": "amx-int4", "Q4_0": "amx-int4", "Q4_1": "amx-int4", "Q6_K": "amx-int6", "Q5_0": "amx-int6",
+            "Q8_0": "amx-int8"}[type_name]
+    assert part.kind == kind
+    op = getattr(torch.ops.turbospec, kind.replace("amx", path).replace("-", "_") + "_mm")
     exact = torch.from_numpy(groups.dequantize())
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(40, k, generator=gen).bfloat16()
     want = x.float() @ exact.t()
-    assert part.mm(x[:0]).shape == (0, n)  # an empty call (no rows) is valid
-    for rows in [*range(1, 17), 17, 33, 40]:  # every register-blocked count, then whole and partial row blocks
-        got = part.mm(x[:rows])
+    assert op(x[:0], part.data).shape == (0, n)  # an empty call (no rows) is valid
+    alone = torch.cat([op(x[i:i + 1], part.data) for i in range(40)])
+    for rows in [*range(1, 18), 33, 40]:  # every register-blocked count, then whole and partial row blocks
+        got = op(x[:rows], part.data)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         # only the output's bf16 rounding and the order of float32 sums differ
         err = (got.float() - want[:rows]).abs().max().item()
         assert err <= 8e-3 * want[:rows].abs().max().item(), (rows, err)
-    # int6's two-row calls (a draft model's catch-up) run the one-row vector path per row: each row's bits are
-    # those of a one-row call, whatever the other row holds
+        if path == "dpbf16":  # each row summed in the same order whatever shares the call: a verification row's
+            assert torch.equal(got, alone[:rows]), rows  # bits are its decode step's
+    # AMX: int6's two-row calls (a draft model's catch-up) run the one-row vector path per row
     if type_name == "Q6_K":
-        pair = part.mm(torch.stack([x[7], x[3]]))
-        assert torch.equal(pair[0], part.mm(x[7:8])[0]) and torch.equal(pair[1], part.mm(x[3:4])[0])
+        pair = op(torch.stack([x[7], x[3]]), part.data)
+        assert torch.equal(pair[0], alone[7]) and torch.equal(pair[1], alone[3])
+
+
+def test_a_forced_record_path_the_cpu_lacks_is_refused_by_the_operator():
+    """Each path's operator refuses to run where its CPU feature is missing (rather than faulting)."""
+    groups = gguf_blocks.decode(random_blocks("Q4_0", 16, 64), "Q4_0", 16, 64)
+    data = _amx_part(groups).data
+    for path, ok in (("amx", kernels.amx_available()), ("dpbf16", kernels.dpbf16_records_available())):
+        op = getattr(torch.ops.turbospec, f"{path}_int4_mm")
+        if ok:
+            assert op(torch.ones(1, 64).bfloat16(), data).shape == (1, 16)
+        else:
+            with pytest.raises(RuntimeError, match="does not offer"):
+                op(torch.ones(1, 64).bfloat16(), data)
 
 
 def test_packed_parts_survive_the_cache_round_trip(tmp_path):

@@ -27,7 +27,8 @@ from ..cache_files import measured_once
 log = logging.getLogger("turbospec.kernels")
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("grouped_int8.cpp", "amx_grouped.cpp", "fused_ops.cpp", "bf16_rows.cpp")]
+           for name in ("grouped_int8.cpp", "amx_grouped.cpp", "records_dpbf16.cpp", "short_attention.cpp",
+                        "fused_ops.cpp", "bf16_rows.cpp")]
 GROUP = 16
 _module: Any = None
 _failure: str | None = None
@@ -118,16 +119,38 @@ def amx_available() -> bool:
     return module is not None and bool(module.amx_available())
 
 
-def amx_op(kind: str) -> Any:
+def dpbf16_records_available() -> bool:
+    """Whether the tile-order records run on AVX512-BF16 without AMX (`records_dpbf16.cpp`): kernels built, a CPU
+    with AVX512-BF16, and not switched off with TURBOSPEC_NO_DPBF16=1."""
+    module = load()
+    return module is not None and bool(module.dpbf16_records_available())
+
+
+def records_path() -> str:
+    """Which kernel runs the tile-order records (the parts `models.packed` calls amx-int4 / -int6 / -int8): "amx",
+    "dpbf16" (AVX512-BF16 dot products, on CPUs without AMX), or "" (neither: torch's int4 and our int8 kernel
+    hold the packed weights instead)."""
+    global _records_path
+    if _records_path is None:
+        _records_path = "amx" if amx_available() else "dpbf16" if dpbf16_records_available() else ""
+    return _records_path
+
+
+_records_path: str | None = None
+
+
+def record_op(kind: str) -> Any:
     """The operator for `kind` (amx-int4, amx-int6, amx-int8: the parts in `models.packed`): op(x, data) is
-    bf16 x [M, K] @ W^T for W in that kind's record layout, in bf16. Runs only where `amx_available()`; where the
-    kernels could not be built, a stand-in that says so when called (a part's layout still works without them)."""
-    if load() is None:
+    bf16 x [M, K] @ W^T for W in that kind's record layout, in bf16, on the path `records_path()` names. Where no
+    path runs, a stand-in that says so when called (a part's layout still works without them)."""
+    path = records_path()
+    if not path:
         def unavailable(*_: Any) -> torch.Tensor:
-            raise RuntimeError(f"{kind} parts need the compiled kernels, which are unavailable: {_failure}")
+            raise RuntimeError(f"{kind} parts need the compiled AMX or AVX512-BF16 kernels, which are unavailable "
+                               f"here: {_failure or 'this CPU has neither'}")
 
         return unavailable
-    return getattr(torch.ops.turbospec, kind.replace("-", "_") + "_mm")
+    return getattr(torch.ops.turbospec, kind.replace("amx", path).replace("-", "_") + "_mm")
 
 
 def fused_ops() -> Any:

@@ -3,13 +3,16 @@
 import logging
 import sys
 
-from . import _flags, amx_available, bf16_rows_limit, bf16_rows_path, failure, load
+from . import _flags, bf16_rows_limit, bf16_rows_path, failure, load, records_path
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 built = load(verbose="-v" in sys.argv) is not None
 # the int8 kernel is built with AVX-512 where torch reports it, else as its portable loop (AVX2 CPUs, ARM)
 simd = "AVX-512" if "-mavx512f" in _flags() else "portable"
-amx = "; AMX kernels in use" if amx_available() else f"; no AMX here: torch's int4 and our {simd} int8 kernel in use"
+records = {"amx": "; AMX kernels in use for packed weights",
+           "dpbf16": "; no AMX here: our AVX512-BF16 kernels (records_dpbf16.cpp) in use for packed weights",
+           "": f"; neither AMX nor AVX512-BF16 here: torch's int4 and our {simd} int8 kernel in use for packed weights"}
+amx = records[records_path()]
 fallback = f"pure-torch fallback in use ({failure()})"
 print("turbospec kernels: " + ("grouped int8 kernel built" + amx if built else fallback))
 if built:  # measured here once for the default thread count (others measure on first use, about a second)

@@ -138,7 +138,7 @@ class _AmxPart:
         self.data = data
         self.out_features, self.in_features = data.shape[0] * 16, data.shape[1] * 32
         self.dtype = torch.bfloat16  # of the activations it serves
-        self._op = kernels.amx_op(self.kind)  # looked up once: mm runs for every linear of every step
+        self._op = kernels.record_op(self.kind)  # looked up once: mm runs for every linear of every step
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"data": self.data}
@@ -314,10 +314,11 @@ def _part(g: Groups, dtype: torch.dtype, amx: bool) -> Part:
 
 
 def pack(groups: list[Groups], dtype: torch.dtype) -> PackedWeight:
-    """Packed parts for a linear's row segments (same-kind neighbours merged): our AMX kernels for bf16 where the
-    CPU has AMX (`kernels.amx_available()`), else torch's int4 and our AVX-512 int8 kernel. ValueError when
-    torch's int4 packing cannot take a part (it needs output rows in multiples of 16)."""
-    amx = dtype == torch.bfloat16 and kernels.amx_available()
+    """Packed parts for a linear's row segments (same-kind neighbours merged): for bf16, our tile-order records where
+    the CPU runs them (`kernels.records_path()`: AMX, or AVX512-BF16 dot products), else torch's int4 and our
+    AVX-512 int8 kernel. ValueError when torch's int4 packing cannot take a part (it needs output rows in
+    multiples of 16)."""
+    amx = dtype == torch.bfloat16 and bool(kernels.records_path())
     return PackedWeight([_part(g, dtype, amx) for g in merge_groups(groups)])
 
 

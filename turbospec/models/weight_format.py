@@ -161,8 +161,10 @@ def _load_packs(net: CausalLM, gguf: Path, dtype: torch.dtype, progress: bool, c
                 requantize: bool) -> tuple[dict[str, list[str]], dict[str, PackedWeight]]:
     """(our linear -> its GGUF block types, our linear -> packed form for those that have an exact one), from
     the cache file when there is one: opening a GGUF parses its whole vocabulary (14 s for Qwen's)."""
-    # torch's int4 layout depends on its version and the CPU's vector width, ours on AMX: they name the file
-    amx = "-amx" if dtype == torch.bfloat16 and kernels.amx_available() else ""
+    # torch's int4 layout depends on its version and the CPU's vector width, ours on the records' path (AMX or
+    # AVX512-BF16, else none): they name the file
+    records = kernels.records_path() if dtype == torch.bfloat16 else ""
+    amx = {"amx": "-amx", "dpbf16": "-records-dpbf16", "": ""}[records]
     tag = f"{str(dtype).removeprefix('torch.')}-{torch.__version__}-{torch.backends.cpu.get_cpu_capability()}{amx}"
     tag += "-requantized4" if requantize else ""
     path = None if cache_dir is None else cache_dir / f"packed-v1-{re.sub(r'[^A-Za-z0-9_.-]', '_', tag)}.safetensors"
