@@ -1,10 +1,12 @@
-"""Packed-weight kernels by row count, on qwen2.5-coder-1.5b's shapes: our AMX kernel against what runs without
-AMX (torch's int4 kernel for Q4_K, our AVX-512 int8 kernel for Q6_K) and dense bf16 (oneDNN).
+"""Packed-weight kernels by row count, on qwen2.5-coder-1.5b's shapes: our kernel over the tile-order records (AMX,
+or AVX512-BF16 dot products on CPUs without AMX: `kernels.records_path()`) against torch's int4 kernel for Q4_K /
+our AVX-512 int8 kernel for Q6_K (what runs where neither does) and dense bf16 (oneDNN), next to the machine's
+streaming read bandwidth.
 
 Why: decode runs one row per request, verification k + 1 rows, a batch one row per request, prefill hundreds;
 a packed format pays only if it stays cheap across those counts. Weights are GGUF blocks of random values in the
 model's block types (the kernels' speed does not depend on the values) and are evicted from the caches before
-every call (a 512 MiB write), so each call reads them from memory, as a decode step does (the 1.5B model's
+every call (a 512 MiB read, which leaves no dirty lines to write back), so each call reads them from memory, as a decode step does (the 1.5B model's
 weights do not fit the caches). Median of --repeats calls.
 
     .venv/bin/python benchmarks/packed_kernels.py [--repeats 7 --threads 2]
@@ -32,19 +34,21 @@ from turbospec import kernels  # noqa: E402
 from turbospec.models import gguf_blocks  # noqa: E402
 from turbospec.models.packed import AmxInt4Part, AmxInt6Part, Int4Part, Int8Part  # noqa: E402
 
+BANDWIDTH_GIB = 1.0
+
 SHAPES = {  # name: (GGUF type, out features, in features)
     "gate|up Q4_K": ("Q4_K", 17920, 1536),
     "down Q6_K": ("Q6_K", 1536, 8960),
     "LM head Q6_K": ("Q6_K", 151936, 1536),
 }
-ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
+ROWS = (1, 2, 3, 4, 6, 8, 9, 12, 16, 32, 64, 256)
 
 
 def median_ms(fn: Callable[[], Any], repeats: int, flush: torch.Tensor) -> float:
     fn()
     times = []
     for _ in range(repeats):
-        flush.add_(1)  # evict the weights: the call reads them from memory
+        flush.sum()  # evict the weights: the call reads them from memory
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -57,12 +61,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "results" / "packed_kernels"))
     args = ap.parse_args()
-    if not kernels.amx_available():
-        sys.exit("packed_kernels.py: this CPU (or build) has no AMX kernel; nothing to compare")
+    path = kernels.records_path()
+    if not path:
+        sys.exit("packed_kernels.py: this CPU (or build) runs neither the AMX nor the AVX512-BF16 records kernel; "
+                 "nothing to compare")
     from turbospec.bench.machine import benchmark_meta, save_results
 
     torch.set_num_threads(args.threads)
     flush = torch.ones(2**27)
+    big = torch.ones(int(BANDWIDTH_GIB * 2**30) // 4)
+    stream_ms = min(median_ms(big.sum, 3, flush) for _ in range(3))
+    bandwidth = big.nbytes / stream_ms / 1e6
+    del big
+    tqdm.write(f"streaming read (float32 tensor.sum() over {BANDWIDTH_GIB:g} GiB): {bandwidth:.1f} GB/s")
     rows_out: list[dict[str, Any]] = []
     for name, (type_name, n, k) in tqdm(SHAPES.items(), desc="shapes"):
         groups = gguf_blocks.decode(random_blocks(type_name, n, k), type_name, n, k)
@@ -73,33 +84,39 @@ def main() -> None:
         del groups
         for rows in tqdm(ROWS, desc=name, leave=False):
             x = torch.randn(rows, k).to(torch.bfloat16)
-            row = {"shape": name, "rows": rows, "amx_ms": median_ms(lambda: amx.mm(x), args.repeats, flush),
+            row = {"shape": name, "rows": rows, "records_ms": median_ms(lambda: amx.mm(x), args.repeats, flush),
                    "no_amx_ms": median_ms(lambda: other.mm(x), args.repeats, flush),
                    "dense_bf16_ms": median_ms(lambda: F.linear(x, dense), args.repeats, flush),
-                   "amx_bytes": amx.nbytes, "no_amx_bytes": other.nbytes, "dense_bytes": dense.nbytes}
+                   "records_bytes": amx.nbytes, "no_amx_bytes": other.nbytes, "dense_bytes": dense.nbytes}
             rows_out.append(row)
-            tqdm.write(f"{name} rows {rows}: AMX {row['amx_ms']:.2f} ms, without AMX {row['no_amx_ms']:.2f} ms, "
+            tqdm.write(f"{name} rows {rows}: records ({path}) {row['records_ms']:.2f} ms, torch int4 / our int8 "
+                       f"{row['no_amx_ms']:.2f} ms, "
                        f"dense bf16 {row['dense_bf16_ms']:.2f} ms")
-    meta = benchmark_meta(args.threads, repeats=args.repeats)
+    meta = benchmark_meta(args.threads, repeats=args.repeats, records_path=path, read_gb_per_s=bandwidth)
     save_results(Path(args.out), meta, rows_out, markdown(meta, rows_out))
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    path = {"amx": "AMX", "dpbf16": "AVX512-BF16"}[meta["records_path"]]
     lines = ["# Packed-weight kernels by row count (qwen2.5-coder-1.5b shapes)", "",
              f"- {meta['command']}", f"- {meta['machine']}, {meta['threads']} threads, torch {meta['torch']}, "
              f"{meta['date']}, commit {meta['commit']}",
              "- weights evicted from the caches before every call (read from memory, as in decode); median of "
-             f"{meta['repeats']} calls; ms per call (GB/s of its weight bytes at one row)", "",
-             "| shape | rows | AMX (ours) | without AMX (torch int4 / our AVX-512 int8) | dense bf16 | AMX / dense |",
-             "|---|---|---|---|---|---|"]
+             f"{meta['repeats']} calls; ms per call (GB/s of its weight bytes at one row); x 1 row: the records "
+             "kernel's time over its one-row time",
+             f"- streaming read bandwidth of this machine (float32 tensor.sum() over 1 GiB): "
+             f"{meta['read_gb_per_s']:.1f} GB/s", "",
+             f"| shape | rows | records ({path}, ours) | x 1 row | torch int4 / our AVX-512 int8 | dense bf16 | "
+             "records / dense |", "|---|---|---|---|---|---|---|"]
+    one = {r["shape"]: r["records_ms"] for r in rows if r["rows"] == 1}
     for r in rows:
         def cell(ms: float, nbytes: int) -> str:
             return f"{ms:.2f} ({nbytes / ms / 1e6:.1f} GB/s)" if r["rows"] == 1 else f"{ms:.2f}"
 
-        lines.append(f"| {r['shape']} | {r['rows']} | {cell(r['amx_ms'], r['amx_bytes'])} | "
-                     f"{cell(r['no_amx_ms'], r['no_amx_bytes'])} | {cell(r['dense_bf16_ms'], r['dense_bytes'])} | "
-                     f"{r['amx_ms'] / r['dense_bf16_ms']:.2f} |")
-    lines += ["", "Bytes per weight: AMX int4 0.625, int6 0.875; torch int4 0.625, our int8 1.25; bf16 2.", ""]
+        lines.append(f"| {r['shape']} | {r['rows']} | {cell(r['records_ms'], r['records_bytes'])} | "
+                     f"{r['records_ms'] / one[r['shape']]:.2f} | {cell(r['no_amx_ms'], r['no_amx_bytes'])} | "
+                     f"{cell(r['dense_bf16_ms'], r['dense_bytes'])} | {r['records_ms'] / r['dense_bf16_ms']:.2f} |")
+    lines += ["", "Bytes per weight: records int4 0.625, int6 0.875; torch int4 0.625, our int8 1.25; bf16 2.", ""]
     return "\n".join(lines)
 
 

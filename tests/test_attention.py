@@ -15,10 +15,10 @@ HQ, HKV, D, BS = 4, 2, 8, 4
 
 def _reference(q, keys, values, q_positions, window=None, tree=None):
     """Dense attention of one sequence: q [Q, HQ, D] at positions q_positions over keys [L, HKV, D]."""
-    rep = HQ // HKV
+    rep = q.shape[1] // keys.shape[1]
     k = keys.repeat_interleave(rep, dim=1)
     v = values.repeat_interleave(rep, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(D)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
     key_pos = torch.arange(keys.shape[0])
     allowed = key_pos[None, :] <= q_positions[:, None]
     if window is not None:
@@ -27,15 +27,15 @@ def _reference(q, keys, values, q_positions, window=None, tree=None):
         n = tree.shape[0]
         allowed[:, -n:] = tree
     scores = scores.masked_fill(~allowed[None], float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], HQ * D)
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
 
 
-def _setup(query_lens, context_lens, seed=0):
+def _setup(query_lens, context_lens, seed=0, head_dim=D):
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(math.ceil(c / BS) for c in context_lens) + 3
     perm = torch.randperm(num_blocks, generator=gen)  # scattered, non-contiguous blocks
-    k_cache = torch.randn(num_blocks * BS, HKV, D, generator=gen)
-    v_cache = torch.randn(num_blocks * BS, HKV, D, generator=gen)
+    k_cache = torch.randn(num_blocks * BS, HKV, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks * BS, HKV, head_dim, generator=gen)
     tables, used = [], 0
     for c in context_lens:
         nb = math.ceil(c / BS)
@@ -43,9 +43,9 @@ def _setup(query_lens, context_lens, seed=0):
         used += nb
         tables.append((blocks[:, None] * BS + torch.arange(BS)).reshape(-1)[:c])
     total = sum(query_lens)
-    q = torch.randn(total, HQ, D, generator=gen)
-    k = torch.randn(total, HKV, D, generator=gen)
-    v = torch.randn(total, HKV, D, generator=gen)
+    q = torch.randn(total, HQ, head_dim, generator=gen)
+    k = torch.randn(total, HKV, head_dim, generator=gen)
+    v = torch.randn(total, HKV, head_dim, generator=gen)
     return q, k, v, k_cache, v_cache, tables
 
 
@@ -115,3 +115,37 @@ def test_padding_rows_never_leak_into_other_sequences():
     alone = build_metadata([1], [3], [tables[0]])
     out_alone = paged_attention(q[:1], k[:1], v[:1], k_cache, v_cache, alone, scale=1 / math.sqrt(D))
     torch.testing.assert_close(out[:1], out_alone, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_kernel_matches_the_reference_on_every_kind_of_short_query(monkeypatch, dtype):
+    """Decodes, verification windows, a draft tree, a sliding window and padded groups of several sequences, read
+    from scattered cache slots by our fused kernel (kernels/short_attention.cpp), against the dense reference."""
+    from turbospec import attention_choice, kernels
+
+    if kernels.load() is None:
+        pytest.skip(f"our kernels are not built here: {kernels.failure()}")
+    monkeypatch.setenv(attention_choice.OVERRIDE, "fused")
+    attention_choice.forget()
+    calls = []
+    fused = torch.ops.turbospec.short_query_attention
+    monkeypatch.setattr(torch.ops.turbospec, "short_query_attention", lambda *a: calls.append(1) or fused(*a),
+                        raising=False)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    head_dim = 32
+    for window in (None, 5):
+        query_lens, context_lens = [1, 3, 4, 1, 16], [9, 14, 12, 40, 37]
+        q, k, v, k_cache, v_cache, tables = _setup(query_lens, context_lens, seed=6, head_dim=head_dim)
+        q, k, v, k_cache, v_cache = (t.to(dtype) for t in (q, k, v, k_cache, v_cache))
+        meta = build_metadata(query_lens, context_lens, tables, tree_masks=[None, None, tree, None, None])
+        assert max(g.kv_slots.shape[0] for g in meta.groups) > 1  # sequences padded into one group
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, scale=1 / math.sqrt(head_dim), sliding_window=window)
+        start = 0
+        for ql, cl, slots, t in zip(query_lens, context_lens, tables, [None, None, tree, None, None]):
+            ref = _reference(q[start:start + ql].float(), k_cache[slots].float(), v_cache[slots].float(),
+                             torch.arange(cl - ql, cl), window, tree=t)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(out[start:start + ql].float(), ref, rtol=tol, atol=tol)
+            start += ql
+    assert len(calls) == 2 * len(meta.groups)  # every group of both steps ran the fused kernel
+    attention_choice.forget()

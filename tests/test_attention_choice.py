@@ -1,4 +1,4 @@
-"""The measured choice between SDPA and the grouped matmuls for one sequence's short query."""
+"""The measured choice between SDPA, the grouped matmuls and our fused kernel for one sequence's short query."""
 
 from __future__ import annotations
 
@@ -9,16 +9,18 @@ import pytest
 import torch
 
 from tests.test_attention import HKV, HQ, D, _reference, _setup
-from turbospec import attention, attention_choice
+from turbospec import attention, attention_choice, kernels
 from turbospec.attention import build_metadata, paged_attention
 from turbospec.attention_choice import (
     OVERRIDE,
     PROBE_CONTEXTS,
     SHORT_QUERY,
     choice_summary,
-    matmul_wins,
+    fused_runs,
     nearest_probe,
+    short_query_kernel,
     single_sequence_matmul,
+    winners,
 )
 
 
@@ -32,9 +34,11 @@ def _fresh_choices(monkeypatch, tmp_path):
 
 
 def test_the_faster_kernel_wins_per_query_count_and_context():
-    timings = {(1, 256): (0.10, 0.72), (2, 256): (0.09, 0.08), (9, 64): (0.08, 0.05), (9, 1024): (0.21, 0.58),
-               (16, 256): (0.15, 0.15)}  # (matmul, SDPA) ms
-    assert matmul_wins(timings) == frozenset({(1, 256), (9, 1024)})  # a tie keeps SDPA
+    inf = float("inf")  # the fused kernel where it cannot run
+    timings = {(1, 256): (0.72, 0.10, 0.03), (2, 256): (0.08, 0.09, inf), (9, 64): (0.05, 0.08, 0.06),
+               (9, 1024): (0.58, 0.21, 0.30), (16, 256): (0.15, 0.15, 0.15)}  # (SDPA, matmul, fused) ms
+    assert winners(timings) == {(1, 256): "fused", (2, 256): "sdpa", (9, 64): "sdpa", (9, 1024): "matmul",
+                                (16, 256): "sdpa"}  # a tie keeps the earlier kernel
 
 
 def test_a_call_takes_the_choice_made_at_the_nearest_probed_context():
@@ -45,7 +49,8 @@ def test_a_call_takes_the_choice_made_at_the_nearest_probed_context():
 
 @pytest.mark.parametrize("override", ["sdpa", "matmul"])
 def test_a_single_sequence_gets_the_same_attention_from_either_kernel(monkeypatch, override):
-    # a 5-node draft tree and a decode, each the only sequence of its step, against the dense reference
+    # a 5-node draft tree and a decode, each the only sequence of its step, against the dense reference (head dim 8:
+    # the fused kernel takes multiples of 16, tests/test_attention.py runs it)
     monkeypatch.setenv(OVERRIDE, override)
     ran = []
     grouped = attention._short_query_attention
@@ -66,8 +71,8 @@ def test_a_single_sequence_gets_the_same_attention_from_either_kernel(monkeypatc
 
 def test_a_step_decides_once_per_group_for_all_its_layers(monkeypatch):
     asked = []
-    decide = attention.single_sequence_matmul
-    monkeypatch.setattr(attention, "single_sequence_matmul", lambda *a: asked.append(a) or decide(*a))
+    decide = attention.short_query_kernel
+    monkeypatch.setattr(attention, "short_query_kernel", lambda *a: asked.append(a) or decide(*a))
     q, k, v, k_cache, v_cache, tables = _setup([1], [40], seed=5)
     meta = build_metadata([1], [40], tables)
     first = paged_attention(q, k, v, k_cache, v_cache, meta, scale=1 / math.sqrt(D))
@@ -81,37 +86,43 @@ def test_a_step_decides_once_per_group_for_all_its_layers(monkeypatch):
 def test_the_choice_is_measured_once_and_cached_per_machine(monkeypatch, tmp_path):
     calls = []
 
-    def fake_measure(*shape):  # the matmuls win up to 3 queries, and at 1,024 tokens of context also 9
-        calls.append(shape)
-        return {(q, c): ((0.1, 0.5) if q <= 3 or (q == 9 and c == 1024) else (0.5, 0.1))
+    def fake_measure(*shape):  # the matmuls win up to 3 queries, and at 1,024 tokens of context also 9; the fused
+        calls.append(shape)  # kernel at 16 queries from 2,048 tokens on
+        return {(q, c): ((0.5, 0.1, 0.3) if q <= 3 or (q == 9 and c == 1024) else
+                         (0.5, 0.3, 0.1) if q == 16 and c >= 2048 else (0.1, 0.5, 0.3))
                 for q in range(1, SHORT_QUERY + 1) for c in PROBE_CONTEXTS}
 
     monkeypatch.setattr(attention_choice, "measure", fake_measure)
-    assert choice_summary(HQ, HKV, D, torch.bfloat16) == ("64:1-3 128:1-3 256:1-3 512:1-3 1024:1-3,9 2048:1-3 "
-                                                          "4096:1-3")
+    assert choice_summary(HQ, HKV, D, torch.bfloat16) == ("matmul 64:1-3 128:1-3 256:1-3 512:1-3 1024:1-3,9 "
+                                                          "2048:1-3 4096:1-3; fused 2048:16 4096:16")
+    assert short_query_kernel(16, 3000, HQ, HKV, D, torch.bfloat16) == "fused"
     assert not single_sequence_matmul(SHORT_QUERY + 1, 1024, HQ, HKV, D, torch.bfloat16)  # long chunks: SDPA
     assert len(calls) == 1  # one measurement for every query count and context of this shape in this process
     [cached] = (tmp_path / "kernels").glob("attention-*.json")
-    assert [2, 64] in json.loads(cached.read_text())["matmul"]
+    assert json.loads(cached.read_text())["winners"]["2@64"] == "matmul"
     attention_choice.forget()  # a new process reads the file instead of measuring again
     bf16 = torch.bfloat16
     assert single_sequence_matmul(2, 300, HQ, HKV, D, bf16) and not single_sequence_matmul(4, 300, HQ, HKV, D, bf16)
     assert single_sequence_matmul(9, 900, HQ, HKV, D, bf16) and not single_sequence_matmul(9, 1500, HQ, HKV, D, bf16)
     assert len(calls) == 1
-    assert choice_summary(HQ, HKV, D, torch.float32).startswith("64:1-3 ") and len(calls) == 2  # another dtype
+    assert choice_summary(HQ, HKV, D, torch.float32).startswith("matmul 64:1-3 ") and len(calls) == 2  # another dtype
     cached.write_text('{"key": "an older layout", "matmul": 3}')  # unreadable as a choice: measured again
     attention_choice.forget()
     assert single_sequence_matmul(2, 300, HQ, HKV, D, bf16) and len(calls) == 3
-    assert [2, 64] in json.loads(cached.read_text())["matmul"]
+    assert json.loads(cached.read_text())["winners"]["2@64"] == "matmul"
 
 
-def test_the_measurement_times_both_kernels_at_every_short_query_count():
-    timings = attention_choice.measure(HQ, HKV, D, torch.float32, contexts=(32, 64))
+@pytest.mark.parametrize("head_dim", [D, 16])
+def test_the_measurement_times_every_kernel_that_runs_at_every_short_query_count(head_dim):
+    timings = attention_choice.measure(HQ, HKV, head_dim, torch.float32, contexts=(32, 64))
     assert sorted(timings) == [(q, c) for q in range(1, SHORT_QUERY + 1) for c in (32, 64)]
-    assert all(matmul > 0 and sdpa > 0 for matmul, sdpa in timings.values())
+    fused = fused_runs(head_dim, torch.float32)
+    assert fused == (head_dim == 16 and kernels.load() is not None)  # the kernel takes head dims in 16s
+    for sdpa, matmul, ours in timings.values():
+        assert sdpa > 0 and matmul > 0 and (0 < ours < math.inf if fused else ours == math.inf)
 
 
 def test_a_wrong_override_says_what_is_allowed(monkeypatch):
     monkeypatch.setenv(OVERRIDE, "flash")
-    with pytest.raises(ValueError, match="'sdpa', 'matmul' or unset"):
+    with pytest.raises(ValueError, match="'sdpa', 'matmul', 'fused' or unset"):
         single_sequence_matmul(1, 64, HQ, HKV, D, torch.float32)

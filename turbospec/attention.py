@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .attention_choice import SHORT_QUERY, single_sequence_matmul
+from .attention_choice import SHORT_QUERY, fused_runs, short_query_kernel
 from .attention_groups import plan_groups
 from .determinism.batch_invariant import invariant_attention
 
@@ -37,14 +37,14 @@ class AttnGroup:
     # computed with invariant_attention: each query's result independent of the group (determinism/)
     invariant: bool = False
     _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
-    _matmuls: bool | None = None  # runs_matmuls' answer, once the first layer has asked
+    _kernel: str | None = None  # kernel()'s answer, once the first layer has asked
 
-    def runs_matmuls(self, q: torch.Tensor, k: torch.Tensor) -> bool:
-        """Whether this group attends with `_short_query_attention` rather than SDPA. Every layer of the step has
-        the same shapes, so the first layer's answer holds for the others."""
-        if self._matmuls is None:
-            self._matmuls = _grouped_matmuls_win(q, k)
-        return self._matmuls
+    def kernel(self, q: torch.Tensor, k_cache: torch.Tensor) -> str:
+        """How this group attends: "invariant", "fused", "matmul" or "sdpa" (attention_choice.py). Every layer of
+        the step has the same shapes, so the first layer's answer holds for the others."""
+        if self._kernel is None:
+            self._kernel = "invariant" if self.invariant else _short_query_choice(self, q, k_cache)
+        return self._kernel
 
     def mask_for_window(self, window: int | None) -> torch.Tensor:
         """The mask restricted to a sliding window (key position > query position - window)."""
@@ -176,23 +176,29 @@ def paged_attention(
     num_heads, head_dim = q.shape[1], q.shape[2]
     out = q.new_empty(q.shape[0], num_heads * head_dim)
     for g in meta.groups:
+        kernel = g.kernel(q, k_cache)
         if g.token_range is not None:
-            qg = q[g.token_range[0]: g.token_range[1]].view(*g.token_index.shape, num_heads, head_dim).transpose(1, 2)
+            qg = q[g.token_range[0]: g.token_range[1]].view(*g.token_index.shape, num_heads, head_dim)
         else:
-            qg = q[g.token_index].transpose(1, 2)  # [B, Hq, Q, D]
-        # index_select on the flat slot list is ~6x faster than advanced indexing with a [B, L] index here
-        flat = g.kv_slots.reshape(-1)
-        kg = k_cache.index_select(0, flat).view(*g.kv_slots.shape, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
-        vg = v_cache.index_select(0, flat).view(*g.kv_slots.shape, *v_cache.shape[1:]).transpose(1, 2)
+            qg = q[g.token_index]  # [B, Q, Hq, D]
         mask = g.mask_for_window(sliding_window)
-        if g.invariant:
-            og = invariant_attention(qg, kg, vg, mask, scale)
-        elif g.runs_matmuls(qg, kg):
-            og = _short_query_attention(qg, kg, vg, mask, scale)
+        if kernel == "fused":  # reads the cache slots in place: no gather
+            og = torch.ops.turbospec.short_query_attention(qg, k_cache, v_cache, g.kv_slots, mask[:, 0], scale)
         else:
-            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale,
-                                                enable_gqa=kg.shape[1] != num_heads)
-        og = og.transpose(1, 2).reshape(*g.token_index.shape, num_heads * head_dim)
+            qg = qg.transpose(1, 2)  # [B, Hq, Q, D]
+            # index_select on the flat slot list is ~6x faster than advanced indexing with a [B, L] index here
+            flat = g.kv_slots.reshape(-1)
+            kg = k_cache.index_select(0, flat).view(*g.kv_slots.shape, *k_cache.shape[1:]).transpose(1, 2)
+            vg = v_cache.index_select(0, flat).view(*g.kv_slots.shape, *v_cache.shape[1:]).transpose(1, 2)
+            if kernel == "invariant":
+                og = invariant_attention(qg, kg, vg, mask, scale)
+            elif kernel == "matmul":
+                og = _short_query_attention(qg, kg, vg, mask, scale)
+            else:
+                og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale,
+                                                    enable_gqa=kg.shape[1] != num_heads)
+            og = og.transpose(1, 2)
+        og = og.reshape(*g.token_index.shape, num_heads * head_dim)
         if g.token_range is not None:
             out[g.token_range[0]: g.token_range[1]] = og.reshape(-1, num_heads * head_dim)
         else:
@@ -203,15 +209,22 @@ def paged_attention(
 # Up to SHORT_QUERY queries per sequence, two grouped matmuls beat SDPA on CPU when a group batches several
 # sequences (16 decodes at 400 tokens of context: 0.66 ms against 0.93 ms for SDPA in bf16), while for long
 # prefill chunks its flash kernel wins (512 queries: 4.4 ms against 15.7 ms for the matmuls; torch 2.13, a Xeon,
-# 2 threads, ad hoc microbenchmarks, not a committed run). For a group of one sequence the faster one depends on
-# the CPU, the query count and the context, so it is measured (attention_choice.py).
-def _grouped_matmuls_win(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """q [B, Hq, Q, D], k [B, Hkv, L, D]: whether `_short_query_attention` runs rather than SDPA."""
-    batch, q_heads, queries, head_dim = q.shape
+# 2 threads, ad hoc microbenchmarks, not a committed run). For one sequence the fastest of SDPA, the matmuls and our
+# fused kernel depends on the CPU, the query count and the context, so it is measured (attention_choice.py); a group
+# of several sequences runs the fused kernel where it won for one, else the matmuls.
+def _short_query_choice(group: AttnGroup, q: torch.Tensor, k_cache: torch.Tensor) -> str:
+    """q [T, Hq, D], k_cache [slots, Hkv, D]: "fused", "matmul" or "sdpa" for this group's queries."""
+    batch, queries = group.token_index.shape
+    q_heads, kv_heads, head_dim = q.shape[1], k_cache.shape[1], q.shape[2]
     if queries > SHORT_QUERY:
-        return False
-    return batch > 1 or (q.device.type == "cpu" and single_sequence_matmul(queries, k.shape[2], q_heads, k.shape[1],
-                                                                           head_dim, q.dtype))
+        return "sdpa"
+    if q.device.type != "cpu":
+        return "matmul" if batch > 1 else "sdpa"
+    chosen = short_query_kernel(queries, group.kv_slots.shape[1], q_heads, kv_heads, head_dim, q.dtype)
+    if chosen == "fused" and not (fused_runs(head_dim, q.dtype) and k_cache.dtype == q.dtype
+                                  and k_cache.is_contiguous()):
+        chosen = "matmul"
+    return chosen if chosen == "fused" or batch == 1 else "matmul"
 
 
 def _short_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

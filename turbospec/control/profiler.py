@@ -109,11 +109,11 @@ def profile_key(engine: LLMEngine) -> dict[str, str]:
     if bf16_rows or (weights is not None and weights.packed_linears):
         key["kernels"] = kernels.build_id()  # our kernels' version (or the int8 fallback) sets step times too
     mc = engine.model_config
-    matmul_queries = (choice_summary(mc.num_heads, mc.num_kv_heads, mc.head_dim, engine.dtype)
-                      if engine.config.device == "cpu" else "none")
-    if matmul_queries != "none":  # a single sequence's short queries attend by our matmuls rather than SDPA at
-        # these counts, measured faster here (attention_choice.py; absent otherwise: old caches stay valid)
-        key["attention"] = "matmul:" + matmul_queries
+    short_queries = (choice_summary(mc.num_heads, mc.num_kv_heads, mc.head_dim, engine.dtype)
+                     if engine.config.device == "cpu" else "none")
+    if short_queries != "none":  # a single sequence's short queries attend by our matmuls or fused kernel rather
+        # than SDPA at these counts, measured faster here (attention_choice.py; absent otherwise)
+        key["attention"] = short_queries
     if engine.config.tensor_parallel_size > 1:  # other processes, collectives in every layer
         key["tensor_parallel"] = str(engine.config.tensor_parallel_size)
     if engine.config.deterministic:  # other kernels, other step times (absent otherwise: old caches stay valid)
