@@ -39,7 +39,8 @@ sys.path.insert(0, str(ROOT))
 DRAFT = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 SINGLE = ("hf-plain", "hf-prompt-lookup", "llama.cpp-plain", "llama.cpp-prompt-lookup", "turbospec-bf16",
           "turbospec-int4", "turbospec-auto", "turbospec-auto-noamx", "turbospec-auto-nodpbf16", "turbospec-pld-k4", "turbospec-sps-k4",
-          "turbospec-sps-k4-int4draft", "turbospec-sps-auto", "turbospec-adaptive")
+          "turbospec-sps-k4-int4draft", "turbospec-sps-auto", "turbospec-adaptive", "turbospec-auto-q8act",
+          "turbospec-pld-k4-q8act", "turbospec-adaptive-q8act")
 NO_AMX = "-noamx"  # rows run with TURBOSPEC_NO_AMX=1: torch's int4 and our AVX-512 int8 kernel, side by side
 # ... and with TURBOSPEC_NO_DPBF16=1 on CPUs without AMX: none of our AVX512-BF16 kernels (packed records, bf16 rows)
 NO_DPBF16 = "-nodpbf16"
@@ -47,8 +48,15 @@ ROW_ENV = {NO_AMX: "TURBOSPEC_NO_AMX", NO_DPBF16: "TURBOSPEC_NO_DPBF16"}
 CONCURRENT = ("llama.cpp-16", "turbospec-auto-16", "turbospec-adaptive-16")
 
 
+Q8ACT = "-q8act"  # rows with the packed products' activations in int8 (weight format auto-q8act)
+
+
 def turbospec_options(row: str, model: str) -> tuple[str, dict[str, Any] | None]:
     """(weight format, speculative config) of a turbospec row."""
+    if row.endswith(Q8ACT):
+        fmt, spec = turbospec_options(row.removesuffix(Q8ACT), model)
+        assert fmt == "auto", row
+        return "auto-q8act", spec
     if row == "turbospec-bf16":
         return "bf16", None
     if row == "turbospec-int4":
@@ -252,6 +260,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             t = tok_s(r, "concurrent-16")
             vs = f"{t / tok_s(base, 'concurrent-16'):.2f}x" if base else "-"
             lines.append(f"| {r['row']} | {t:.2f} | {vs} | {r['peak_rss_mib']:.0f} |")
+    lines += agreement_lines(rows)
     weights = [(r["row"], r["weights"]) for r in rows if r.get("weights")]
     if weights:
         lines += ["", "Weights kept (load log):", ""] + [f"- {row}: {w}" for row, w in weights]
@@ -261,6 +270,25 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                   "| operator | ms per step | calls per step |", "|---|---|---|"]
         lines += [f"| {p['op']} | {p['ms_per_step']:.2f} | {p['calls_per_step']:.0f} |" for p in prof]
     return "\n".join(lines) + "\n"
+
+
+def agreement_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Greedy agreement of each int8-activation row with the same row on float activations (a lossy format must
+    say how far it moves the output): outputs identical, and the mean share of tokens before the first difference."""
+    by_name = {r["row"]: r for r in rows}
+    lines = []
+    for r in rows:
+        base = by_name.get(r["row"].removesuffix(Q8ACT)) if r["row"].endswith(Q8ACT) else None
+        if base is None or "concurrent-16" in r["sets"]:
+            continue
+        pairs = [(a, b) for n in ("mt-bench", "humaneval") for a, b in zip(r["sets"][n]["outputs"],
+                                                                            base["sets"][n]["outputs"])]
+        same = sum(a == b for a, b in pairs)
+        prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))) / max(len(b), 1)
+                  for a, b in pairs]
+        lines.append(f"- {r['row']} against {base['row']}: {same} of {len(pairs)} greedy outputs identical; on "
+                     f"average the first {100 * sum(prefix) / len(prefix):.0f}% of the tokens agree")
+    return ["", "Greedy agreement of the int8-activation rows with float activations:", "", *lines] if lines else []
 
 
 def main() -> None:

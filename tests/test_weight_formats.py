@@ -142,6 +142,38 @@ def test_record_kernels_match_the_dequantised_reference_for_every_row_count(type
         assert torch.equal(pair[0], alone[7]) and torch.equal(pair[1], alone[3])
 
 
+def _int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x with each row's groups of 32 quantised to int8 as our auto-q8act kernel does (scale max|x| / 127, round to
+    nearest even), dequantised again: the activations that kernel multiplies exactly."""
+    groups = x.float().reshape(x.shape[0], -1, 32)
+    top = groups.abs().amax(-1, keepdim=True)
+    scale = torch.where(top > 0, top / 127, torch.ones_like(top))
+    return (torch.round(groups * (1 / scale)).clamp(-127, 127) * scale).reshape(x.shape)
+
+
+@pytest.mark.skipif(not kernels.q8_records_available(), reason="this CPU has no AVX512-VNNI")
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q4_0", "Q4_1", "Q6_K", "Q5_0", "Q8_0"])
+def test_the_int8_activation_kernel_is_the_exact_product_of_quantised_activations(type_name):
+    n, k = 80, 1024
+    groups = gguf_blocks.decode(random_blocks(type_name, n, k), type_name, n, k)
+    part = _amx_part(groups)
+    op = getattr(torch.ops.turbospec, part.kind.replace("amx", "q8").replace("-", "_") + "_mm")
+    weights = part.dequantize()  # the records' values (K-quant scales in float16)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(2)).bfloat16()
+    x[3, :32] = 0  # an all-zero group
+    want = _int8_activations(x) @ weights.t()
+    exact = x.float() @ weights.t()
+    alone = torch.cat([op(x[i:i + 1], part.data) for i in range(40)])
+    for rows in [*range(1, 18), 33, 40]:
+        got = op(x[:rows], part.data)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        err = (got.float() - want[:rows]).abs().max().item()
+        assert err <= 8e-3 * want[:rows].abs().max().item(), (rows, err)  # bf16 output, float32 sums' order
+        assert torch.equal(got, alone[:rows]), rows
+    lossy = (want - exact).abs().max().item()
+    assert 0 < lossy <= 3e-2 * exact.abs().max().item()  # a lossy step of its own, and a small one
+
+
 def test_a_forced_record_path_the_cpu_lacks_is_refused_by_the_operator():
     """Each path's operator refuses to run where its CPU feature is missing (rather than faulting)."""
     groups = gguf_blocks.decode(random_blocks("Q4_0", 16, 64), "Q4_0", 16, 64)
@@ -340,6 +372,29 @@ def test_packed_logits_match_the_bf16_formats_in_bfloat16():
     assert diff <= 0.05 * logits["bf16"].abs().max().item()
 
 
+@pytest.mark.skipif(not (kernels.q8_records_available() and kernels.records_path()),
+                    reason="auto-q8act needs AVX512-VNNI and the record kernels")
+def test_int8_activations_are_a_named_lossy_format_close_to_auto():
+    """auto-q8act: every packed linear runs the int8-activation kernel (said in the load log and the crossover's
+    signatures), and one decode step's logits stay close to auto's (the activations' rounding only)."""
+    loaded = {fmt: load_model("smollm2-135m", "bfloat16", weight_format=fmt, progress=False)
+              for fmt in ("auto", "auto-q8act")}
+    report = loaded["auto-q8act"].weights
+    assert report.format == "auto-q8act" and report.packed_linears == loaded["auto"].weights.packed_linears
+    assert all("-q8act:" in signature for signature in report.crossover)
+    ids = torch.tensor([1, 504, 3120, 28, 253])
+    logits = {}
+    for fmt, lm in loaded.items():
+        hidden = lm.model.embed(ids)[-1:]
+        for layer in lm.model.layers[:4]:  # one row through packed linears (their crossover keeps 1 row packed)
+            hidden = layer.mlp(hidden)
+        logits[fmt] = lm.model.compute_logits(lm.model.norm(hidden)).float()
+    diff = (logits["auto-q8act"] - logits["auto"]).abs().max().item()
+    assert 0 < diff <= 0.05 * logits["auto"].abs().max().item()
+    with pytest.raises(WeightFormatError, match="auto-q8act needs dtype bfloat16"):
+        load_model("smollm2-135m", "float32", weight_format="auto-q8act", progress=False)
+
+
 @pytest.mark.slow
 def test_formats_the_file_cannot_provide_are_refused():
     with pytest.raises(WeightFormatError, match=r"int8 needs every linear in Q8_0 / Q6_K.*Q4_1"):
@@ -353,7 +408,7 @@ def test_formats_the_file_cannot_provide_are_refused():
 
 
 def test_engine_config_validates_the_weight_format():
-    with pytest.raises(ValueError, match="auto, bf16, int4, int8"):
+    with pytest.raises(ValueError, match="auto, bf16, int4, int8, auto-q8act"):
         EngineConfig("dummy:tiny", weight_format="q3_k")
     with pytest.raises(ValueError, match="keeps no dense weights"):
         EngineConfig("dummy:tiny", weight_format="int4", deterministic="batch-invariant")

@@ -9,7 +9,7 @@ from .control.acceptance import DEFAULT_ESTIMATOR, ESTIMATORS
 from .spec.policies import LOSSLESS_POLICIES, TYPICAL_DELTA, TYPICAL_EPSILON, check_policy
 
 DTYPE_NAMES = ("bfloat16", "bf16", "float32", "fp32", "float16", "fp16")
-WEIGHT_FORMATS = ("auto", "bf16", "int4", "int8")  # models/weight_format.py says what each keeps
+WEIGHT_FORMATS = ("auto", "bf16", "int4", "int8", "auto-q8act")  # models/weight_format.py says what each keeps
 DETERMINISTIC_MODES = ("batch-invariant", "llm42", "margin-gate", "layercast")
 # the modes a single request may ask for (the others change every row's kernels or the KV dtype: engine-wide)
 REQUEST_DETERMINISTIC_MODES = ("batch-invariant", "llm42", "margin-gate")
@@ -22,7 +22,8 @@ class EngineConfig:
     model: str
     dtype: str = "bfloat16"
     # "auto": packed low-bit kernels for few-row calls where the GGUF's blocks can be held exactly, dense for
-    # the rest; "bf16": dense only; "int4" / "int8": packed only (least memory). See models/weight_format.py.
+    # the rest; "bf16": dense only; "int4" / "int8": packed only (least memory); "auto-q8act": auto with the packed
+    # products' activations quantised to int8 (lossy, faster for a few rows). See models/weight_format.py.
     weight_format: str = "auto"
     max_model_len: int | None = None  # default: the model's context length, capped at 4096 on CPU
     max_num_seqs: int = 32
@@ -73,7 +74,7 @@ class EngineConfig:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"unknown device {self.device!r}: expected 'cpu' or 'cuda[:N]'")
         check_positive("tensor_parallel_size", self.tensor_parallel_size)
-        if self.tensor_parallel_size > 1 and self.weight_format in ("int4", "int8"):
+        if self.tensor_parallel_size > 1 and self.weight_format in ("int4", "int8", "auto-q8act"):
             raise ValueError(f"tensor parallelism splits dense weights; weight_format {self.weight_format!r} keeps "
                              "packed ones only: use auto (dense under tensor parallelism) or bf16")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

@@ -139,11 +139,18 @@ def records_path() -> str:
 _records_path: str | None = None
 
 
-def record_op(kind: str) -> Any:
+def q8_records_available() -> bool:
+    """Whether the records' int8-activation kernel (weight format auto-q8act) runs: kernels built, AVX512-VNNI."""
+    module = load()
+    return module is not None and bool(module.q8_records_available())
+
+
+def record_op(kind: str, int8_activations: bool = False) -> Any:
     """The operator for `kind` (amx-int4, amx-int6, amx-int8: the parts in `models.packed`): op(x, data) is
-    bf16 x [M, K] @ W^T for W in that kind's record layout, in bf16, on the path `records_path()` names. Where no
-    path runs, a stand-in that says so when called (a part's layout still works without them)."""
-    path = records_path()
+    bf16 x [M, K] @ W^T for W in that kind's record layout, in bf16, on the path `records_path()` names (or, with
+    `int8_activations`, the activations quantised to int8 and AVX512-VNNI products). Where no path runs, a stand-in
+    that says so when called (a part's layout still works without them)."""
+    path = "q8" if int8_activations else records_path()
     if not path:
         def unavailable(*_: Any) -> torch.Tensor:
             raise RuntimeError(f"{kind} parts need the compiled AMX or AVX512-BF16 kernels, which are unavailable "

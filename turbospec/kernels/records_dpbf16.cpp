@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -193,6 +194,179 @@ TS_DP_TARGET void group_sums(const uint16_t* x, int64_t rows, int64_t k, int64_t
     }
 }
 
+// ---- Activations in int8 (weight format auto-q8act): `vpdpbusd` multiplies 4 unsigned weight bytes by 4 signed
+// activation bytes into one int32 lane, 64 products per instruction (vdpbf16ps: 32), so a few rows cost less
+// arithmetic; llama.cpp's dot products work this way. Activations are quantised per row and group of 32 inputs to
+// int8 with the scale max|x| / 127, a lossy step of its own: the float path above stays the default.
+//
+// A lane holds one output's 4 consecutive inputs. From the tile-order records (a 16-bit word per output and tile-
+// row pair): int4 chunk c gives inputs 4c .. 4c + 3 as (w | w << 12) & 0x0F0F0F0F of the zero-extended word;
+// int6 adds the two high bits from its pair chunk; int8 joins the words of rows 2c and 2c + 1 and flips the sign
+// bit (q + 128, unsigned), corrected by 128 * sum of the group's quantised activations.
+
+#define TS_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+
+bool vnni_ready() {
+  static const bool ready = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+                            __builtin_cpu_supports("f16c");
+  return ready;
+}
+
+TS_VNNI_TARGET inline __m512 halves_as_floats(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// 16 floats to bf16, rounded to nearest even (integer arithmetic: VNNI CPUs may lack AVX512-BF16; no NaN here)
+TS_VNNI_TARGET inline void store_bf16(uint16_t* p, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+TS_VNNI_TARGET inline __m512i words_as_dwords(const uint8_t* p) {
+  return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Lanes of unit u (int4: inputs 4u .. 4u + 3; int6: 8u .. 8u + 7 as two lanes; int8: 4u .. 4u + 3).
+template <int KIND>
+TS_VNNI_TARGET inline void quad_lanes(const uint8_t* record, int u, __m512i* lanes) {
+  const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F);
+  if constexpr (KIND == kInt4) {
+    const __m512i w = words_as_dwords(record + 32 * u);
+    lanes[0] = _mm512_ternarylogic_epi32(w, _mm512_slli_epi32(w, 12), nibbles, 0xA8);  // (A | B) & C
+  } else if constexpr (KIND == kInt6) {
+    const __m512i n0 = words_as_dwords(record + 64 * u), n1 = words_as_dwords(record + 64 * u + 32);
+    const __m512i pairs = words_as_dwords(record + 256 + 32 * u);
+    const __m512i high = _mm512_set1_epi32(0x30303030), low_half = _mm512_set1_epi32(0x0000FFFF);
+    // high bits of inputs 8u + (0, 1, 2, 3) sit at pair bits (0, 8, 2, 10), of 8u + (4 .. 7) at (4, 12, 6, 14)
+    const __m512i hi_a = _mm512_ternarylogic_epi32(low_half, _mm512_slli_epi32(pairs, 4), _mm512_slli_epi32(pairs, 18),
+                                                   0xCA);  // A ? B : C, bitwise
+    const __m512i hi_b = _mm512_ternarylogic_epi32(low_half, pairs, _mm512_slli_epi32(pairs, 14), 0xCA);
+    const __m512i lo_a = _mm512_ternarylogic_epi32(n0, _mm512_slli_epi32(n0, 12), nibbles, 0xA8);
+    const __m512i lo_b = _mm512_ternarylogic_epi32(n1, _mm512_slli_epi32(n1, 12), nibbles, 0xA8);
+    lanes[0] = _mm512_ternarylogic_epi32(lo_a, hi_a, high, 0xF8);  // A | (B & C)
+    lanes[1] = _mm512_ternarylogic_epi32(lo_b, hi_b, high, 0xF8);
+  } else {
+    const __m512i a = words_as_dwords(record + 64 * u), b = words_as_dwords(record + 64 * u + 32);
+    lanes[0] = _mm512_ternarylogic_epi32(a, _mm512_slli_epi32(b, 16), _mm512_set1_epi32(0x80808080), 0x56);  // (A|B)^C
+  }
+}
+
+// Per row and group of 32 inputs: the int8 activations (round to nearest), their scale, the halves' int32 sums.
+TS_VNNI_TARGET void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, int8_t* xq, float* scale,
+                                  int32_t* qsum) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < k / 32; ++g) {
+      const uint16_t* p = x + r * k + g * 32;
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))), 16));
+      const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const float a = top > 0.f ? top / 127.f : 1.f;
+      const __m512 inv = _mm512_set1_ps(1.f / a);
+      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + (r * k + g * 32)), _mm512_cvtsepi32_epi8(qlo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + (r * k + g * 32 + 16)), _mm512_cvtsepi32_epi8(qhi));
+      scale[r * (k / 32) + g] = a;
+      qsum[(r * (k / 32) + g) * 2] = _mm512_reduce_add_epi32(qlo);
+      qsum[(r * (k / 32) + g) * 2 + 1] = _mm512_reduce_add_epi32(qhi);
+    }
+}
+
+// One record against R rows: out[16 i ..] += its contribution. xq: row 0's int8 activations of this record, a: row
+// 0's scale of this group, qsum: row 0's pair of half sums of this group's int8 activations. The offsets meet the
+// quantised activations' sums too, so a row's result is the exact dot product of its int8 activations with the
+// file's weights, times the scales.
+template <int KIND, int R>
+TS_VNNI_TARGET inline void record_pass_q8(const uint8_t* record, const int8_t* xq, int64_t x_stride, const float* a,
+                                          int64_t a_stride, const int32_t* qsum, float* out) {
+  constexpr int kGroups = kScaleGroups[KIND];
+  constexpr int kUnits = KIND == kInt6 ? 4 : 8, kGroupUnits = kUnits / kGroups, kLanes = KIND == kInt6 ? 2 : 1;
+  UNROLL for (int h = 0; h < kGroups; ++h) {
+    // integer sums are exact in any order: two chains per row hide vpdpbusd's latency for up to 3 rows, one does
+    // from 4 (the 16 rows of a pass then fit the registers)
+    constexpr int kChains = R >= 4 ? 1 : 2;
+    __m512i part[R][kChains];
+    UNROLL for (int i = 0; i < R; ++i)
+      UNROLL for (int c = 0; c < kChains; ++c) part[i][c] = _mm512_setzero_si512();
+    UNROLL for (int u = h * kGroupUnits; u < (h + 1) * kGroupUnits; ++u) {
+      __m512i lanes[kLanes];
+      quad_lanes<KIND>(record, u, lanes);
+      UNROLL for (int j = 0; j < kLanes; ++j) {
+        const int quad = u * kLanes + j;  // inputs 4 quad .. 4 quad + 3
+        UNROLL for (int i = 0; i < R; ++i) {
+          int32_t xv;
+          std::memcpy(&xv, xq + i * x_stride + 4 * quad, sizeof xv);
+          part[i][quad % kChains] = _mm512_dpbusd_epi32(part[i][quad % kChains], lanes[j], _mm512_set1_epi32(xv));
+        }
+      }
+    }
+    __m512 s, c = _mm512_setzero_ps();
+    if constexpr (KIND == kInt4) {
+      s = halves_as_floats(record + 256);
+      c = halves_as_floats(record + 288);  // q s + z
+    } else if constexpr (KIND == kInt6) {
+      s = halves_as_floats(record + 384 + 32 * h);
+      c = _mm512_mul_ps(_mm512_set1_ps(-32.f), s);  // (u - 32) s
+    } else {
+      s = halves_as_floats(record + 512 + 32 * h);  // (u - 128) s, u = q + 128
+    }
+    UNROLL for (int i = 0; i < R; ++i) {
+      const int32_t* qs = qsum + i * a_stride * 2;
+      const float ai = a[i * a_stride];
+      __m512i sum = part[i][0];
+      if constexpr (kChains == 2) sum = _mm512_add_epi32(sum, part[i][1]);
+      if constexpr (KIND == kInt8) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * qs[h]));
+      __m512 o = _mm512_load_ps(out + 16 * i);
+      o = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(ai)), _mm512_cvtepi32_ps(sum), o);
+      if constexpr (KIND != kInt8) {
+        const int32_t q = KIND == kInt4 ? qs[0] + qs[1] : qs[h];
+        o = _mm512_fmadd_ps(c, _mm512_set1_ps(ai * static_cast<float>(q)), o);
+      }
+      _mm512_store_ps(out + 16 * i, o);
+    }
+  }
+}
+
+struct Quantized {
+  const int8_t* xq;     // [rows, K]
+  const float* scale;   // [rows, K / 32]
+  const int32_t* qsum;  // [rows, K / 32, 2]: sums of each group's halves
+};
+
+template <int KIND, int R>
+TS_VNNI_TARGET void block_pass_q8(const Quantized& x, int64_t k, const uint8_t* w, int64_t nb, int64_t groups,
+                                  uint16_t* y, int64_t n) {
+  constexpr int64_t kBytes = kRecordBytes[KIND];
+  alignas(64) float sums[R * kTileN] = {};
+  const uint8_t* stream = w + nb * groups * kBytes;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* record = stream + g * kBytes;
+    for (int64_t line = 0; line < kBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(record + kPrefetchAhead * kBytes + line), _MM_HINT_T0);
+    record_pass_q8<KIND, R>(record, x.xq + g * 32, k, x.scale + g, groups, x.qsum + g * 2, sums);
+  }
+  UNROLL for (int i = 0; i < R; ++i) store_bf16(y + i * n + nb * kTileN, _mm512_load_ps(sums + 16 * i));
+}
+
+using PassQ8Fn = void (*)(const Quantized&, int64_t, const uint8_t*, int64_t, int64_t, uint16_t*, int64_t);
+
+constexpr int kPassRowsQ8 = 16;  // rows per pass of the int8-activation kernel (one int32 sum per row from 4 rows)
+
+template <int KIND, int... R>
+PassQ8Fn pass_q8_fn(int rows, std::integer_sequence<int, R...>) {
+  static constexpr PassQ8Fn fns[] = {&block_pass_q8<KIND, R + 1>...};
+  return fns[rows - 1];
+}
+
+PassQ8Fn pick_pass_q8(int kind, int rows) {
+  const auto counts = std::make_integer_sequence<int, kPassRowsQ8>{};
+  return kind == kInt4 ? pass_q8_fn<kInt4>(rows, counts) : kind == kInt6 ? pass_q8_fn<kInt6>(rows, counts)
+                                                                         : pass_q8_fn<kInt8>(rows, counts);
+}
+
 #endif  // TS_DP
 
 const char* const kNames[3] = {"dpbf16_int4_mm", "dpbf16_int6_mm", "dpbf16_int8_mm"};
@@ -231,6 +405,57 @@ at::Tensor records_mm(const at::Tensor& x_in, const at::Tensor& w, int kind) {
   return y;
 }
 
+const char* const kQ8Names[3] = {"q8_int4_mm", "q8_int6_mm", "q8_int8_mm"};
+
+at::Tensor records_q8_mm(const at::Tensor& x_in, const at::Tensor& w, int kind) {
+  const char* name = kQ8Names[kind];
+#if TS_DP
+  TORCH_CHECK(vnni_ready(), name, ": this CPU does not offer AVX512-VNNI");
+#else
+  TORCH_CHECK(false, name, ": this CPU does not offer AVX512-VNNI");
+#endif
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, name, ": x must be bfloat16 [M, K]");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.size(2) == kRecordBytes[kind], name,
+              ": packed weight must be uint8 [N / 16, K / 32, ", kRecordBytes[kind], "]");
+  const int64_t rows = x_in.size(0), k = x_in.size(1), blocks = w.size(0), groups = w.size(1), n = blocks * kTileN;
+  TORCH_CHECK(k == groups * kTileK, name, ": x has ", k, " inputs, the weight ", groups * kTileK);
+  at::Tensor y = at::empty({rows, n}, x_in.options());
+  if (rows == 0) return y;
+#if TS_DP
+  const at::Tensor x = x_in.contiguous(), wc = w.contiguous();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  std::vector<int8_t> xq(rows * k);
+  std::vector<float> scale(rows * groups);
+  std::vector<int32_t> qsum(rows * groups * 2);
+  quantize_rows(xp, rows, k, xq.data(), scale.data(), qsum.data());
+  const uint8_t* wp = wc.data_ptr<uint8_t>();
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const int64_t passes = (rows + kPassRowsQ8 - 1) / kPassRowsQ8;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb)
+      for (int64_t p = 0, row0 = 0; p < passes; ++p) {
+        const int64_t count = (rows - row0) / (passes - p);
+        const Quantized part{xq.data() + row0 * k, scale.data() + row0 * groups, qsum.data() + row0 * groups * 2};
+        pick_pass_q8(kind, static_cast<int>(count))(part, k, wp, nb, groups, yp + row0 * n, n);
+        row0 += count;
+      }
+  });
+#endif
+  return y;
+}
+
+at::Tensor q8_int4_mm(const at::Tensor& x, const at::Tensor& w) { return records_q8_mm(x, w, kInt4); }
+at::Tensor q8_int6_mm(const at::Tensor& x, const at::Tensor& w) { return records_q8_mm(x, w, kInt6); }
+at::Tensor q8_int8_mm(const at::Tensor& x, const at::Tensor& w) { return records_q8_mm(x, w, kInt8); }
+
+bool q8_records_available() {
+#if TS_DP
+  return vnni_ready();
+#else
+  return false;
+#endif
+}
+
 at::Tensor dpbf16_int4_mm(const at::Tensor& x, const at::Tensor& w) { return records_mm(x, w, kInt4); }
 at::Tensor dpbf16_int6_mm(const at::Tensor& x, const at::Tensor& w) { return records_mm(x, w, kInt6); }
 at::Tensor dpbf16_int8_mm(const at::Tensor& x, const at::Tensor& w) { return records_mm(x, w, kInt8); }
@@ -244,12 +469,22 @@ TORCH_LIBRARY_FRAGMENT(turbospec, m) {
   m.def("dpbf16_int4_mm(Tensor x, Tensor w) -> Tensor");
   m.def("dpbf16_int6_mm(Tensor x, Tensor w) -> Tensor");
   m.def("dpbf16_int8_mm(Tensor x, Tensor w) -> Tensor");
+  m.def("q8_records_available() -> bool");
+  m.def("q8_int4_mm(Tensor x, Tensor w) -> Tensor");
+  m.def("q8_int6_mm(Tensor x, Tensor w) -> Tensor");
+  m.def("q8_int8_mm(Tensor x, Tensor w) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(turbospec, CPU, m) {
   m.impl("dpbf16_int4_mm", &dpbf16_int4_mm);
   m.impl("dpbf16_int6_mm", &dpbf16_int6_mm);
   m.impl("dpbf16_int8_mm", &dpbf16_int8_mm);
+  m.impl("q8_int4_mm", &q8_int4_mm);
+  m.impl("q8_int6_mm", &q8_int6_mm);
+  m.impl("q8_int8_mm", &q8_int8_mm);
 }
 
-TORCH_LIBRARY_IMPL(turbospec, CatchAll, m) { m.impl("dpbf16_records_available", &dpbf16_records_available); }
+TORCH_LIBRARY_IMPL(turbospec, CatchAll, m) {
+  m.impl("dpbf16_records_available", &dpbf16_records_available);
+  m.impl("q8_records_available", &q8_records_available);
+}

@@ -139,9 +139,15 @@ class _AmxPart:
         self.out_features, self.in_features = data.shape[0] * 16, data.shape[1] * 32
         self.dtype = torch.bfloat16  # of the activations it serves
         self._op = kernels.record_op(self.kind)  # looked up once: mm runs for every linear of every step
+        self.int8_activations = False
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"data": self.data}
+
+    def quantize_activations(self) -> None:
+        """From now on run the int8-activation kernel (weight format auto-q8act; kernels/records_dpbf16.cpp)."""
+        self._op = kernels.record_op(self.kind, int8_activations=True)
+        self.int8_activations = True
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         return self._op(x, self.data)
@@ -257,7 +263,15 @@ class PackedWeight:
     @property
     def signature(self) -> str:
         """What the kernels see: the crossover is measured once per signature."""
-        return "|".join(f"{p.kind}:{p.out_features}x{p.in_features}" for p in self.parts)
+        return "|".join(f"{p.kind}{'-q8act' if getattr(p, 'int8_activations', False) else ''}:"
+                        f"{p.out_features}x{p.in_features}" for p in self.parts)
+
+    def quantize_activations(self) -> None:
+        """Run every part's int8-activation kernel (weight format auto-q8act); ValueError where a part has none."""
+        for part in self.parts:
+            if not isinstance(part, _AmxPart):
+                raise ValueError(f"a {part.kind} part has no int8-activation kernel")
+            part.quantize_activations()
 
     @property
     def dtype(self) -> torch.dtype:

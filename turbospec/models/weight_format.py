@@ -5,6 +5,10 @@
   Q8_0 / Q5_0 / Q6_K tensors run our grouped int8 kernel (their values and group scales held exactly). No dense
   copy of the decoder layers: the least memory, but every call runs packed, prefill too.
 - `int8`: packed only, every linear in grouped int8: only files whose linears are all Q8_0 / Q5_0 / Q6_K.
+- `auto-q8act`: `auto`, with the packed products' activations quantised to int8 per row and group of 32 inputs
+  (scale max|x| / 127) and multiplied by AVX512-VNNI integer dot products (`vpdpbusd`), as llama.cpp's dot products
+  do: lossy in the activations (the weights are the file's), cheaper arithmetic for a few rows. Never the default;
+  needs AVX512-VNNI and our record kernels (refused elsewhere).
 - `auto` (default): where the file's block type can be held exactly, the packed form for calls with up to
   the measured crossover rows (decode, short drafts, verification) and a dense copy for the rest; where our AMX
   GEMM over the packed weights also beats the dense one at prefill sizes (64-256 rows, measured), those run
@@ -80,6 +84,9 @@ class WeightReport:
                    else ""))
 
 
+Q8_ACT = "auto-q8act"
+
+
 def _allowed(fmt: str) -> tuple[str, ...]:
     return gguf_blocks.INT8_TYPES if fmt == "int8" else gguf_blocks.INT4_TYPES + gguf_blocks.INT8_TYPES
 
@@ -125,6 +132,12 @@ def apply_weight_format(net: CausalLM, gguf: Path | None, fmt: str, dtype: torch
         raise WeightFormatError(f"requantising to 4 bits needs a GGUF model ({source} is "
                                 f"{'not one' if gguf is None else 'one'}), weight format auto or int4 (not {fmt}) "
                                 "and dtype bfloat16 or float32")
+    if fmt == Q8_ACT and not (dtype == torch.bfloat16 and kernels.records_path() and kernels.q8_records_available()):
+        raise WeightFormatError(f"weight format {Q8_ACT} needs dtype bfloat16 (not {str(dtype).removeprefix('torch.')}) "
+                                "and a CPU with AVX512-VNNI running our record kernels (AMX or AVX512-BF16); this "
+                                "one has " + (f"record kernels {kernels.records_path()!r}" if kernels.records_path()
+                                              else "no record kernel") + f", VNNI {kernels.q8_records_available()}: "
+                                "use --weight-format auto")
     packing = fmt != "bf16" and gguf is not None and dtype in (torch.bfloat16, torch.float32)
     if fmt in ("int4", "int8") and not packing:
         why = (f"{source} is not a GGUF file" if gguf is None else
@@ -205,6 +218,8 @@ def _pack_from_gguf(net: CausalLM, gguf: Path, fmt: str, dtype: torch.dtype, rep
             report.dense_only_linears += 1
             continue
         packed = packs[name]
+        if fmt == Q8_ACT:
+            packed.quantize_activations()
         packed_only = fmt in ("int4", "int8") and name != "lm_head.weight"
         if not packed_only:  # (timing a packed-only linear would also page its unused dense weights in)
             dense = net.get_parameter("embed.weight" if name == "lm_head.weight" and net.lm_head is None else name)
