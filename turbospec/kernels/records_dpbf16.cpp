@@ -143,7 +143,7 @@ TS_DP_TARGET inline void record_pass(const uint8_t* record, const uint32_t* pair
 
 // Output block nb over all K, for R activation rows starting at x; y rows in bf16. One block at a time: each
 // thread then reads one sequential stream of records, which the hardware prefetchers follow (interleaving the
-// records of four blocks, as four streams, ran at half the speed on a Zen 5: 13 against 24 GB/s on one core).
+// records of four blocks, as four streams, ran at half the speed on a Zen 4: 13 against 24 GB/s on one core, ad hoc).
 template <int KIND, int R>
 TS_DP_TARGET void block_pass(const uint16_t* x, int64_t k, const float* xsum, int64_t xsum_stride,
                              const uint8_t* w, int64_t nb, int64_t groups, uint16_t* y, int64_t n) {

@@ -4,7 +4,7 @@
 //
 // Why: the torch path gathers every context key and value into a new tensor per layer (index_select), then runs
 // two small batched matmuls and a softmax, about ten operator calls per layer; for one qwen2.5-coder-1.5b decode at
-// ~350 tokens of context on a Zen 5 that was ~10 ms of a ~50 ms step (28 layers), where the arithmetic is a few
+// ~350 tokens of context on a Zen 4 that was ~10 ms of a ~50 ms step (28 layers), where the arithmetic is a few
 // hundred microseconds. Here each (sequence, query head) is one task: its scores against every key read in place
 // from the cache, an exact softmax in float32, then the weighted sum of the values, in one call for all layers'
 // groups of this shape.
