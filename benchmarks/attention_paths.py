@@ -26,7 +26,7 @@ from int8_kernel_ab import median_ms  # (benchmarks/: the script's directory)
 from tqdm import tqdm
 
 from turbospec import LLM, SamplingParams, attention_choice
-from turbospec.attention import _short_query_attention
+from turbospec.attention_matmul import grouped_matmul_attention
 from turbospec.bench.machine import benchmark_meta, header_lines, save_results
 from turbospec.models.model_config import ModelConfig
 from turbospec.models.registry import pull
@@ -51,7 +51,7 @@ def operator_rows(model: str, mc: ModelConfig) -> list[dict[str, Any]]:
             mask = torch.ones(1, 1, nq, length, dtype=torch.bool)
             sdpa = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5,
                                                                     enable_gqa=hkv != hq), OPERATOR_CALLS)
-            matmul = median_ms(lambda: _short_query_attention(q, k, v, mask, d**-0.5), OPERATOR_CALLS)
+            matmul = median_ms(lambda: grouped_matmul_attention(q, k, v, mask, d**-0.5), OPERATOR_CALLS)
             rows.append({"kind": "operator", "model": model, "shape": f"{hq}x{hkv}x{d}", "queries": nq,
                          "context": length, "sdpa_ms": sdpa, "matmul_ms": matmul})
     return rows

@@ -35,7 +35,7 @@ TREES = (4, 8)  # EAGLE tree nodes in the fixed rows
 def operator_rows(dpbf16: bool) -> list[dict[str, Any]]:
     """ours vs torch per shape and row count: the fastest of several calls, taking turns."""
     from turbospec import kernels
-    from turbospec.models.crossover import best_ms
+    from turbospec.host import best_ms
 
     if kernels.load() is None or not torch.ops.turbospec.bf16_rows_available():
         raise SystemExit(f"our bf16 kernel cannot run here: {kernels.failure() or 'no AVX2 + FMA'}")

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from turbospec.attention import _short_query_attention
+from turbospec.attention_matmul import grouped_matmul_attention
 
 
 def timed(fn, reps: int) -> float:
@@ -59,7 +59,7 @@ def main() -> None:
         res[f"decode_sdpa_{name}_ms"] = 1e3 * timed(
             lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), 50)
         res[f"decode_grouped_matmul_{name}_ms"] = 1e3 * timed(
-            lambda: _short_query_attention(q, k, v, mask, d**-0.5), 50)
+            lambda: grouped_matmul_attention(q, k, v, mask, d**-0.5), 50)
 
     cache = torch.randn(100_000, 2, 128).to(torch.bfloat16)  # a layer's K slots
     slots = torch.randint(0, 100_000, (16, 250))

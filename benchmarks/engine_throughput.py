@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from turbospec.control.profiler import hardware_name  # noqa: E402
+from turbospec.host import hardware_name  # noqa: E402
 from turbospec import LLM, SamplingParams  # noqa: E402
 from turbospec.bench import chat_messages, load_prompts  # noqa: E402
 from turbospec.models.registry import gguf_path  # noqa: E402

@@ -53,8 +53,8 @@ def test_a_single_sequence_gets_the_same_attention_from_either_kernel(monkeypatc
     # the fused kernel takes multiples of 16, tests/test_attention.py runs it)
     monkeypatch.setenv(OVERRIDE, override)
     ran = []
-    grouped = attention._short_query_attention
-    monkeypatch.setattr(attention, "_short_query_attention", lambda *a: ran.append(1) or grouped(*a))
+    grouped = attention.grouped_matmul_attention
+    monkeypatch.setattr(attention, "grouped_matmul_attention", lambda *a: ran.append(1) or grouped(*a))
     tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
                         dtype=torch.bool)
     for query_lens, context_lens, masks in (([5], [23], [tree]), ([1], [40], None)):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from turbospec.bench.machine import cpu_description, header_lines, source_commit
-from turbospec.control.profiler import hardware_name
+from turbospec.host import hardware_name
 
 
 def test_the_cpu_description_names_the_family_and_vector_units():

@@ -122,7 +122,7 @@ def test_the_measured_limit_is_cached_per_machine(monkeypatch, tmp_path):
     files = list((tmp_path / "kernels").glob("bf16-rows-*.json"))
     assert len(files) == 1 and limit in (0, 1, 2, 4, float("inf"))
     monkeypatch.setattr(kernels, "_bf16_limits", {})
-    monkeypatch.setattr("turbospec.models.crossover.best_ms", lambda *a, **k: pytest.fail("measured again"))
+    monkeypatch.setattr("turbospec.kernels.best_ms", lambda *a, **k: pytest.fail("measured again"))
     assert kernels.bf16_rows_limit() == limit  # a new process reads the file and measures nothing
 
 
@@ -176,6 +176,6 @@ def test_the_limit_probe_streams_its_weights_at_verification_sizes(monkeypatch, 
         return [0.0, 1.0]
 
     monkeypatch.setattr(kernels, "bf16_rows_mm", counted)
-    monkeypatch.setattr("turbospec.models.crossover.best_ms", ours_wins)
+    monkeypatch.setattr("turbospec.kernels.best_ms", ours_wins)
     assert kernels.bf16_rows_limit() == float("inf")
     assert {rows: len(ptrs) for rows, ptrs in weights.items()} == {1: 4, 2: 4, 64: 1}

@@ -13,7 +13,7 @@ from spec_prompts import SPEC_PROMPTS
 from turbospec import LLM, SamplingParams
 from turbospec.request import Request
 from turbospec.spec.proposer import Draft, Proposer
-from turbospec.spec.tree import TokenTree, accepts_trees
+from turbospec.spec.tree import TokenTree
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ class OracleTreeProposer(Proposer):
             truth = full[done: done + self.rng.randint(0, 4)]
             paths = [[self.rng.randrange(100, 5000) for _ in range(self.rng.randint(1, 3))] for _ in range(3)]
             paths.insert(self.rng.randint(0, 3), truth)
-            if not accepts_trees(req):  # as real proposers do: a deterministic request verifies one path
+            if not req.accepts_trees:  # as real proposers do: a deterministic request verifies one path
                 paths = [p for p in paths if p][:1]
             tree = TokenTree.from_paths([p for p in paths if p])
             keep = min(k, len(tree))

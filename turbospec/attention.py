@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from .attention_choice import SHORT_QUERY, fused_runs, short_query_kernel
 from .attention_groups import plan_groups
+from .attention_matmul import grouped_matmul_attention
 from .determinism.batch_invariant import invariant_attention
 
 
@@ -193,7 +194,7 @@ def paged_attention(
             if kernel == "invariant":
                 og = invariant_attention(qg, kg, vg, mask, scale)
             elif kernel == "matmul":
-                og = _short_query_attention(qg, kg, vg, mask, scale)
+                og = grouped_matmul_attention(qg, kg, vg, mask, scale)
             else:
                 og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale,
                                                     enable_gqa=kg.shape[1] != num_heads)
@@ -225,17 +226,3 @@ def _short_query_choice(group: AttnGroup, q: torch.Tensor, k_cache: torch.Tensor
                                   and k_cache.is_contiguous()):
         chosen = "matmul"
     return chosen if chosen == "fused" or batch == 1 else "matmul"
-
-
-def _short_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """q [B, Hq, Q, D], k/v [B, Hkv, L, D], mask [B, 1, Q, L] -> [B, Hq, Q, D]; softmax in float32.
-
-    The query heads that share a KV head are stacked as extra query rows, so GQA needs no repeated K/V."""
-    b, hq, nq, d = q.shape
-    hkv, length = k.shape[1], k.shape[2]
-    group = hq // hkv
-    scores = torch.matmul(q.reshape(b, hkv, group * nq, d), k.transpose(-1, -2)).float() * scale
-    scores = scores.view(b, hkv, group, nq, length).masked_fill(~mask[:, :, None], float("-inf"))
-    probs = scores.softmax(-1).to(v.dtype).view(b, hkv, group * nq, length)
-    return torch.matmul(probs, v).view(b, hq, nq, d)

@@ -1,5 +1,5 @@
 """Which kernel attends a sequence's short query (a decode, a verification window, a draft tree): torch's SDPA, our
-two grouped matmuls (`attention._short_query_attention`) or our fused kernel that reads the paged cache in place
+two grouped matmuls (`attention_matmul.grouped_matmul_attention`) or our fused kernel that reads the paged cache in place
 (`kernels/short_attention.cpp`). Measured per machine, thread count, torch version, kernel build and head shape,
 cached under $TURBOSPEC_HOME/kernels.
 
@@ -24,7 +24,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .cache_files import measured_once
+from .attention_matmul import grouped_matmul_attention
+from .host import best_ms, hardware_name, measured_once
+
 
 SHORT_QUERY = 16  # at most this many queries per sequence: the short-query kernels' domain (longer chunks run SDPA)
 # context lengths each query count is timed at, 2x apart; a call takes the choice made at the nearest (in ratio).
@@ -117,7 +119,6 @@ def _choose(q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, over
     if override:
         raise ValueError(f"{OVERRIDE}={override!r}: expected 'sdpa', 'matmul', 'fused' or unset (measured per machine)")
     from . import kernels
-    from .control.profiler import hardware_name  # (lazy: the profiler imports the engine, which imports us)
 
     key = (f"{hardware_name('cpu')}|{torch.get_num_threads()}|{torch.__version__}|{kernels.build_id()}|"
            f"{q_heads}x{kv_heads}x{head_dim}|{str(dtype).removeprefix('torch.')}|{PROBE_CONTEXTS}")
@@ -139,10 +140,8 @@ def _choose(q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, over
 def measure(q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
             contexts: tuple[int, ...] = PROBE_CONTEXTS) -> dict[tuple[int, int], tuple[float, float, float]]:
     """(query count, context) -> (SDPA ms, matmul ms, fused ms: infinite where it cannot run), each the fastest of
-    PROBE_REPEATS calls (models/crossover.best_ms: the fastest, so a call that lost the CPU to another process does not
+    PROBE_REPEATS calls (host.best_ms: the fastest, so a call that lost the CPU to another process does not
     decide). The context sits in a paged cache twice its size, every other slot, as a sequence's blocks may."""
-    from .attention import _short_query_attention  # (lazy: attention imports us)
-    from .models.crossover import best_ms
 
     gen = torch.Generator().manual_seed(0)
     scale = head_dim ** -0.5
@@ -163,7 +162,7 @@ def measure(q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                 lambda: F.scaled_dot_product_attention(q.transpose(1, 2), gathered(k_cache), gathered(v_cache),
                                                        attn_mask=mask[:, None], scale=scale,
                                                        enable_gqa=kv_heads != q_heads),
-                lambda: _short_query_attention(q.transpose(1, 2), gathered(k_cache), gathered(v_cache), mask[:, None],
+                lambda: grouped_matmul_attention(q.transpose(1, 2), gathered(k_cache), gathered(v_cache), mask[:, None],
                                                scale))
             if fused:
                 fns += (lambda: torch.ops.turbospec.short_query_attention(q, k_cache, v_cache, slots, mask, scale),)

@@ -37,7 +37,7 @@ from .spec.factory import build_proposer
 from .spec.ngram import NgramProposer
 from .spec.policies import LOSSLESS_POLICIES, RELAXES_JS, check_policy
 from .spec.stats import SpecDecodingStats
-from .spec.tree import accepts_trees, compaction, verify_tree_greedy, verify_tree_sampled
+from .spec.tree import compaction, verify_tree_greedy, verify_tree_sampled
 from .spec.verifier import synthetic_verify, verify
 
 log = logging.getLogger("turbospec.engine")
@@ -552,7 +552,7 @@ class LLMEngine:
             else:
                 hit = lookup[num_drafts] == emitted[num_drafts][0]
             num_drafts, accepted = num_drafts + 1, accepted + hit
-        if self.proposer is not None and self.proposer.ranks_nodes and accepts_trees(req):
+        if self.proposer is not None and self.proposer.ranks_nodes and req.accepts_trees:
             # the drafts were the proposer's most confident nodes: a tree, or a chain when they formed one (its
             # ranks are its depths); requests held to chains are a chain estimator's (NodeRank.observe)
             tree, path = req.spec_tree, self._tree_paths.get(req.request_id)

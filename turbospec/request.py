@@ -100,6 +100,15 @@ class Request:
         return "invariant" if self.determinism in ("llm42", "margin-gate") else None
 
     @property
+    def accepts_trees(self) -> bool:
+        """Whether a request's drafts may branch: exact acceptance and no deterministic mode. Proposers give the
+        others their most probable path. Why not the deterministic modes: the invariant attention sums keys in
+        fixed blocks, and a node's ancestors sit at other offsets in a tree than in the final sequence (decoys in
+        between), so its rows would not be bitwise those of plain decoding; positional sampling and held-token
+        checks also verify chains only."""
+        return self.acceptance == "exact" and self.determinism is None
+
+    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..control.profiler import hardware_name
+from ..host import hardware_name
 
 
 # the vector units that decide our kernels' paths (kernels/): results from CPUs of one model name differ by them

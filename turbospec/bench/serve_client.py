@@ -17,7 +17,7 @@ import httpx
 
 if TYPE_CHECKING:
     from .prompts import BenchPrompt
-    from .serve_bench import BenchConfig
+    from .serve_config import BenchConfig
 
 ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 # Fields of a chat delta that carry generated text: reasoning models stream their thinking in one of the

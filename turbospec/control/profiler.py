@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 import random
 import re
 from dataclasses import dataclass
@@ -26,9 +25,9 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
+from ..host import hardware_name, turbospec_home
 from .. import kernels
 from ..attention_choice import choice_summary
-from ..models.registry import turbospec_home
 from ..request import Request
 from ..sampling_params import SamplingParams
 from ..spec.proposer import Draft, Proposer
@@ -73,17 +72,6 @@ class RepeatProposer(Proposer):
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Draft]:
         return [Draft([r.all_token_ids[-1]] * k) for r, k in zip(requests, num_tokens)]
 
-
-def hardware_name(device: str) -> str:
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return torch.cuda.get_device_name(torch.device(device))
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def profile_key(engine: LLMEngine) -> dict[str, str]:

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..host import write_text_atomically
 from ..attention_groups import gathered_slots
-from ..cache_files import write_text_atomically
 from .monotone_fit import monotone_lstsq
 
 PARTS = ("target", "draft", "overhead")

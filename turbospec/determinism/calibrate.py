@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from ..cache_files import write_text_atomically
+from ..host import write_text_atomically
 from ..control.profiler import profile_key, profile_path
 from ..sampling_params import SamplingParams
 from .exact import gap_drift

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from ..cache_files import measured_once
+from ..host import best_ms, hardware_name, measured_once, turbospec_home
+
 
 log = logging.getLogger("turbospec.kernels")
 
@@ -44,7 +45,6 @@ def _digest() -> str:
 def _build_dir() -> Path:
     """Next to the source when writable (one build per checkout, whatever TURBOSPEC_HOME a process uses),
     else under $TURBOSPEC_HOME/kernels."""
-    from ..models.registry import turbospec_home
 
     here = SOURCES[0].parent
     local = here / "_build"
@@ -199,7 +199,6 @@ def _measure_bf16_limit(threads: int) -> float:
     if (os.environ.get("TURBOSPEC_NO_BF16_ROWS") == "1" or load() is None
             or not torch.ops.turbospec.bf16_rows_available()):
         return 0.0
-    from ..control.profiler import hardware_name  # here: the profiler imports the engine, which imports us
 
     key = f"{hardware_name('cpu')}|{threads}|{torch.__version__}|{build_id()}{bf16_rows_key_suffix()}"
     return measured_once("bf16-rows", key, _probe_bf16_limit, lambda cached: float(cached["limit"]))
@@ -207,7 +206,6 @@ def _measure_bf16_limit(threads: int) -> float:
 
 def _probe_bf16_limit() -> dict[str, object]:
     """{"limit": rows, "ms": {"<shape>:<rows>": [ours, torch's]}}, timed at this process's thread count."""
-    from ..models.crossover import best_ms
 
     gen = torch.Generator().manual_seed(0)
     limit, timings = float("inf"), {}

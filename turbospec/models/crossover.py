@@ -12,13 +12,12 @@ Measured once per (signature, dtype, threads, hardware, torch); a 1.5B model's s
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..cache_files import exclusive_lock, write_text_atomically
+from ..host import best_ms, exclusive_lock, hardware_name, turbospec_home, write_text_atomically
 from .layers import row_linear
 from .packed import PackedWeight
 
@@ -30,24 +29,6 @@ GEMM_ROWS = (64, 128, 256)  # prefill chunks
 class Crossover:
     max_rows: int  # packed for calls of up to this many rows
     gemm_rows: int  # ... and for calls of at least this many (0: never)
-
-
-def best_ms(fns: tuple, repeats: int) -> list[float]:
-    """The fastest of `repeats` calls of each function, the functions taking turns. The fastest, not the median:
-    on a shared machine a call that loses the CPU takes a whole scheduler slice (8 ms here), and a measurement
-    made while another process ran (a test suite beside a benchmark, 2026-12-01) had medians of 8 ms for both
-    forms, left half the linears of a 0.5B model dense and made its decode steps 2x slower, cached for good.
-    The fastest call is what the kernel costs; the question here is which kernel is faster, not how loaded the
-    machine is."""
-    for fn in fns:
-        fn()  # warm-up: first calls pay for allocation and thread start
-    best = [float("inf")] * len(fns)
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            start = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - start)
-    return [b * 1e3 for b in best]
 
 
 def measure(packed: PackedWeight, dense: torch.Tensor, row_counts: tuple[int, ...] = ROWS, repeats: int = 5,
@@ -126,8 +107,6 @@ def cache_path(dtype: torch.dtype) -> Path:
     import hashlib
 
     from .. import kernels
-    from ..control.profiler import hardware_name  # here: the profiler imports the engine, which imports us
-    from .registry import turbospec_home
 
     kernel = kernels.build_id()  # the int8 fallback, or another version of the kernel, has other timings
     # "best": timings are the fastest of several calls (best_ms); files of medians are measured again.

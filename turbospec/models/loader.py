@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..cache_files import replace_atomically, write_text_atomically
+from ..host import replace_atomically, turbospec_home, write_text_atomically
 from . import registry
 from .gemma3 import Gemma3ForCausalLM
 from .gguf_loader import load_gguf
@@ -121,7 +121,7 @@ def load_model(model: str, dtype: str | torch.dtype = "bfloat16", device: str = 
 def _cache_dir(gguf: Path) -> Path:
     stat = gguf.stat()
     key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return registry.turbospec_home() / "weights" / f"{gguf.stem}-{key}"
+    return turbospec_home() / "weights" / f"{gguf.stem}-{key}"
 
 
 def _load_gguf_cached(gguf: Path, name: str, dtype: torch.dtype, device: str, progress: bool) -> LoadedModel:

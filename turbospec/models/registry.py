@@ -8,7 +8,6 @@ private folder (never into the user's environment), concatenates the chunks in o
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..cache_files import exclusive_lock
+from ..host import exclusive_lock, turbospec_home
 
 
 @dataclass(frozen=True)
@@ -68,11 +67,6 @@ REGISTRY: dict[str, RegistryModel] = {
         ),
     ]
 }
-
-
-def turbospec_home() -> Path:
-    """Root of everything turbospec caches: ``$TURBOSPEC_HOME`` or ``~/.cache/turbospec``."""
-    return Path(os.environ.get("TURBOSPEC_HOME") or Path.home() / ".cache" / "turbospec")
 
 
 def gguf_path(name: str) -> Path:

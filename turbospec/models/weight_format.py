@@ -40,8 +40,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from ..host import replace_atomically
 from .. import kernels
-from ..cache_files import replace_atomically
 from ..config import WEIGHT_FORMATS
 from . import gguf_blocks
 from .crossover import GEMM_ROWS, CrossoverCache, cache_path

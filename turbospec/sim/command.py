@@ -12,9 +12,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ..host import turbospec_home
 from ..bench.serve_bench import parse_rates
 from ..config import check_positive, int_list
-from ..models.registry import turbospec_home
 from .acceptance import AcceptanceModel, PositionRates, TraceReplay, load_trace, rates_from_trace
 from .replica import SpecPolicy
 from .router import ROUTERS

@@ -22,11 +22,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..cache_files import replace_atomically
+from ..host import replace_atomically, turbospec_home
 from ..models.layers import row_linear
 from ..models.llama import CausalLM
 from ..models.packed import PackedWeight
-from ..models.registry import turbospec_home
 from ..models.tokenizer import Tokenizer
 from ..request import Request
 

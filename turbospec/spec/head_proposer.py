@@ -9,7 +9,7 @@ This is EAGLE-2's dynamic tree with the draft's confidence standing in for accep
 - depth by depth, the `beam` best nodes of the depth are expanded into their `branch` most probable children
   (Medusa's children are the same for every parent at a depth; Hydra's and EAGLE's depend on the path);
 - of everything expanded, the k best nodes become the tree (k = the controller's or the fixed budget).
-Requests that must verify chains (spec/tree.py accepts_trees) get the single most probable path.
+Requests that must verify chains (Request.accepts_trees) get the single most probable path.
 Candidates are deterministic (q one-hot), so verification stays exact.
 """
 
@@ -25,7 +25,7 @@ from ..request import Request
 from .eagle import EagleDraft, window_mask
 from .heads import DraftHeads
 from .proposer import Draft, Proposer
-from .tree import TokenTree, accepts_trees
+from .tree import TokenTree
 
 Rows = list[tuple[int, int]]  # (request index, node index or -1 for the root) to expand at one depth
 
@@ -78,7 +78,7 @@ class TreeDrafter(Proposer):
         drafts = [Draft([]) for _ in requests]
         live = [i for i, (req, k) in enumerate(zip(requests, num_tokens)) if k > 0 and self._ready(req)]
         trees: dict[int, list[_Node]] = {i: [] for i in live}
-        wide = {i: accepts_trees(requests[i]) for i in live}
+        wide = {i: requests[i].accepts_trees for i in live}
         frontier = {i: [-1] for i in live}  # node indices to expand at the current depth (-1: the root)
         for depth in range(self.draft_levels(max((num_tokens[i] for i in live), default=0))):
             rows = [(i, n) for i in live for n in frontier[i]]

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from ..models.registry import turbospec_home
+from ..host import turbospec_home
 from ..runner import SeqInput
 from ..sampling_params import SamplingParams
 from .heads import DraftHeads, HeadConfig

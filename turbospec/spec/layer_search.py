@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
+from ..host import write_text_atomically
 from ..attention import AttentionMetadata, AttnGroup
-from ..cache_files import write_text_atomically
 from ..control.profiler import profile_key, profile_path
 from ..determinism.calibrate import calibration_prompts
 from ..kv.block_manager import BlockManager

@@ -13,7 +13,7 @@ output) also join the pool, as the paper's implementation does with its pool-fro
 kinds of branch are ordinary tree candidates, so verification is the exact tree rule, and a lookahead
 branch that happens to be right is accepted like any other.
 This is the paper's method with a one-dimensional window (one Jacobi trajectory, not W x N); the pool is
-per request. Requests that verify chains only (spec/tree.py accepts_trees) get their best pool match.
+per request. Requests that verify chains only (Request.accepts_trees) get their best pool match.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from ..request import Request
 from .proposer import Draft, Proposer
-from .tree import TokenTree, accepts_trees
+from .tree import TokenTree
 
 
 @dataclass
@@ -58,7 +58,7 @@ class LookaheadProposer(Proposer):
             self._index_context(state, req.all_token_ids)
             last = req.all_token_ids[-1]
             candidates = [list(g) for g in state.pool.get(last, [])[: self.max_candidates]]
-            wide = accepts_trees(req)
+            wide = req.accepts_trees
             if not wide:  # a chain: the most recent pool match only
                 drafts.append(Draft(candidates[0][:k] if candidates else []))
                 continue

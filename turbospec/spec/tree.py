@@ -21,13 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from ..request import Request
-
 
 @dataclass
 class TokenTree:
@@ -110,15 +105,6 @@ class TokenTree:
         """Positions of the new tokens: the known ones in order, then each node at root + depth."""
         first = root_position - num_known + 1
         return list(range(first, root_position + 1)) + [root_position + d for d in self.depth]
-
-
-def accepts_trees(request: Request) -> bool:
-    """Whether a request's drafts may branch: exact acceptance and no deterministic mode. Proposers give the
-    others their most probable path. Why not the deterministic modes: the invariant attention sums keys in
-    fixed blocks, and a node's ancestors sit at other offsets in a tree than in the final sequence (decoys in
-    between), so its rows would not be bitwise those of plain decoding; positional sampling and held-token
-    checks also verify chains only."""
-    return request.acceptance == "exact" and request.determinism is None
 
 
 def verify_tree_greedy(tree: TokenTree, argmax: Sequence[int]) -> tuple[list[int], list[int]]:

@@ -1,5 +1,8 @@
-"""Writing the caches under $TURBOSPEC_HOME (weights, profiles, measured crossovers, searched plans) when several
-processes may do it at once: parallel test workers, Ray replicas, two servers starting together."""
+"""The machine this process runs on and what is measured on it once: its name, the cache root ($TURBOSPEC_HOME),
+the timing rule for kernel choices, and writing the caches (weights, profiles, measured crossovers, searched plans)
+when several processes may do it at once (parallel test workers, Ray replicas, two servers starting together).
+
+A leaf: it imports nothing of turbospec's, so every layer (kernels, attention, models, tuning) may use it."""
 
 from __future__ import annotations
 
@@ -7,12 +10,50 @@ import fcntl
 import hashlib
 import json
 import os
+import platform
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
+
 T = TypeVar("T")
+
+
+def turbospec_home() -> Path:
+    """Root of everything turbospec caches: ``$TURBOSPEC_HOME`` or ``~/.cache/turbospec``."""
+    return Path(os.environ.get("TURBOSPEC_HOME") or Path.home() / ".cache" / "turbospec")
+
+
+def hardware_name(device: str) -> str:
+    """The accelerator's or CPU's model name: part of every measured-once cache key."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def best_ms(fns: tuple, repeats: int) -> list[float]:
+    """The fastest of `repeats` calls of each function, the functions taking turns. The fastest, not the median:
+    on a shared machine a call that loses the CPU takes a whole scheduler slice (8 ms), and medians measured while
+    another process ran left half the linears of a 0.5B model on the slower kernel, cached for good. The fastest
+    call is what the kernel costs; the question asked is which kernel is faster, not how loaded the machine is."""
+    for fn in fns:
+        fn()  # warm-up: first calls pay for allocation and thread start
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return [b * 1e3 for b in best]
 
 
 def replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
@@ -43,8 +84,6 @@ def measured_once(kind: str, key: str, measure: Callable[[], dict[str, Any]], re
     """A measurement made once per machine (whatever `key` names: CPU, threads, torch, build, shape), cached as
     $TURBOSPEC_HOME/kernels/<kind>-<hash of key>.json: `read` of the cached JSON, or, when there is none or `read`
     cannot make sense of it, of what `measure()` returns (saved with the key, for whoever opens the file)."""
-    from .models.registry import turbospec_home  # (lazy: the registry writes through this module)
-
     path = turbospec_home() / "kernels" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
     try:
         return read(json.loads(path.read_text()))
