@@ -74,10 +74,10 @@ def test_zoo_speedup_after_the_first_token_leaves_prefill_out():
         "row); speedup after the first token, humaneval: eagle 2.00x"]
 
 
-@pytest.mark.parametrize("script, result", [("proposer_zoo", "proposer_zoo_qwen_zen5_eagle8_tuned10"),
-                                            ("eagle_draft_cost", "eagle_draft_cost"),
-                                            ("head_ab", "head_ab_qwen_eagle_stage3"),
-                                            ("eagle_vocab", "eagle_vocab_qwen")])
+@pytest.mark.parametrize("script, result", [("proposer_zoo", "proposer_zoo/proposer_zoo_qwen_zen5_eagle8_tuned10"),
+                                            ("eagle_draft_cost", "eagle_draft_cost/eagle_draft_cost"),
+                                            ("head_ab", "head_ab/head_ab_qwen_eagle_stage3"),
+                                            ("eagle_vocab", "eagle_vocab/eagle_vocab_qwen")])
 def test_committed_results_render_again_from_their_json(script, result):
     """The benchmarks' markdown (with the shared header_lines) is what the committed .md files hold."""
     import json
