@@ -27,8 +27,8 @@ from typing import Any
 
 from turbospec import LLM, SamplingParams
 from turbospec.bench.machine import machine_info
-from turbospec.bench.prompts import load_mtbench, load_prompts, load_sharegpt
-from turbospec.control.acceptance import (
+from turbospec.data.prompts import load_mtbench, load_prompts, load_sharegpt
+from turbospec.control.acceptance_estimators import (
     AcceptanceEstimator, FirstPositionBeta, GlobalEMA, PositionBeta, RequestBeta, expected_tokens, make_estimator, outcome_probability,
 )
 

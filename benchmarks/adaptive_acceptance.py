@@ -7,7 +7,7 @@ closing fence (turbospec/bench/humaneval.py); pass@1 comes from running the task
 - target alone, draft alone (turbospec, no speculation);
 - vanilla speculative decoding (exact acceptance, k fixed);
 - HF transformers assisted generation (the same target and draft, its own draft-length heuristic);
-- each acceptance policy of spec/acceptance.py at the same k: typical, adasd, adasd-generation, adasd-verification.
+- each acceptance policy of verification/lossy.py at the same k: typical, adasd, adasd-generation, adasd-verification.
 Columns: pass@1, tokens/s (generated tokens over wall time, prefill included), "= target" (tasks whose answer is
 token for token the target's own), relaxed (share of output tokens kept only by a lossy rule), tau, and the
 speedups over the target alone and over vanilla speculative decoding.

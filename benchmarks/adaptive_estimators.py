@@ -1,6 +1,6 @@
 """The adaptive controller with each chain acceptance estimator, against a fixed draft length, side by side.
 
-Every row (the fixed k and `"auto"` with each estimator of control/acceptance.py) is loaded at once and they take
+Every row (the fixed k and `"auto"` with each estimator of control/acceptance_estimators.py) is loaded at once and they take
 turns prompt by prompt, the order alternating (benchmarks/proposer_zoo.py's runner), on MT-Bench first turns and
 HumanEval. Per row and set: tok/s, its ratio to the fixed row, tau, the mean k chosen and its histogram. The
 question it answers: which estimator keeps adaptive at least as fast as the best fixed length
@@ -22,7 +22,7 @@ from proposer_zoo import DRAFTS, datasets, run_turbospec  # (benchmarks/: the sc
 
 from turbospec.bench.machine import benchmark_meta, header_lines, save_results
 from turbospec.config import DRAFT_STOPS
-from turbospec.control.acceptance import ESTIMATORS
+from turbospec.control.acceptance_estimators import ESTIMATORS
 
 CHAIN_ESTIMATORS = ("position-beta", "first-position-beta", "request-beta")
 

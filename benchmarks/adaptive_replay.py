@@ -30,9 +30,9 @@ from tqdm import tqdm
 from turbospec import LLM, SamplingParams
 from turbospec.bench.machine import benchmark_meta, header_lines, save_results
 from turbospec.config import int_list
-from turbospec.control.acceptance import ESTIMATORS
+from turbospec.control.acceptance_estimators import ESTIMATORS
 from turbospec.runner import SeqInput
-from turbospec.sim.acceptance import TextRuns
+from turbospec.sim.draft_outcomes import TextRuns
 from turbospec.sim.replica import SpecPolicy
 from turbospec.sim.simulator import Deployment, simulate
 from turbospec.sim.step_cost import StepCost, load_profile
@@ -48,7 +48,7 @@ def accepted_runs(llm: LLM, prompt: list[int], answer: list[int]) -> tuple[list[
     entropy (nats) of the draft's distribution for answer[p], what a confidence stop reads.
 
     One teacher-forced forward of the draft over prompt + answer gives its choice at every position. Its cut
-    vocabulary (spec/draft_vocab.py) allows, besides the frequent tokens, every token of the request at the time
+    vocabulary (proposers/draft_vocab.py) allows, besides the frequent tokens, every token of the request at the time
     of drafting: the prompt and answer[:p], not the tokens the chain reaches later."""
     proposer = llm.engine.proposer
     runner, vocab = proposer.runner, proposer.vocab
@@ -86,7 +86,7 @@ def accepted_runs(llm: LLM, prompt: list[int], answer: list[int]) -> tuple[list[
 
 
 def _entropies(logits: torch.Tensor, vocab: Any, prompt: list[int], answer: list[int]) -> list[float]:
-    """Row p's entropy over what the draft may propose there (as the engine computes it, spec/draft_model.py): its
+    """Row p's entropy over what the draft may propose there (as the engine computes it, proposers/draft_model.py): its
     cut vocabulary plus the request's tokens so far (prompt and answer[:p]), or everything without a cut."""
     if vocab is not None:
         allowed = vocab.in_subset.clone()

@@ -1,6 +1,6 @@
 """How much DART's n-gram term adds: tau of the committed DART draft at several n-gram weights, same prompts.
 
-The DART proposer (turbospec/spec/dart_proposer.py) scores a tree node by the draft's log-probability at its
+The DART proposer (turbospec/proposers/dart_proposer.py) scores a tree node by the draft's log-probability at its
 position plus `ngram_weight` x the n-gram log-probability of its token after its parent's. Weight 0 is the draft
 alone. One engine, float32 (so every variant's output is plain decoding's, token for token), greedy, 8-node trees,
 the first N MT-Bench first turns and HumanEval tasks (as benchmarks/proposer_zoo.py builds them); the weight is

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from turbospec import SamplingParams
 from turbospec.bench.machine import machine_info
-from turbospec.bench.prompts import BenchPrompt, chat_messages, load_mtbench, load_prompts, load_sharegpt
+from turbospec.data.prompts import BenchPrompt, chat_messages, load_mtbench, load_prompts, load_sharegpt
 from turbospec.config import EngineConfig
 from turbospec.engine import LLMEngine
 from turbospec.models.loader import load_model, parse_dtype

@@ -26,7 +26,7 @@ from turbospec import LLM, SamplingParams
 from turbospec.bench.eagle_reference import RecomputingEagleProposer
 from turbospec.bench.humaneval import answer_prefix, chat_messages, load_humaneval
 from turbospec.bench.machine import benchmark_meta, header_lines, save_results
-from turbospec.spec.head_proposer import EagleProposer
+from turbospec.proposers.head_proposer import EagleProposer
 
 PROPOSERS = ("kept entries", "recomputed")
 

@@ -25,10 +25,10 @@ from proposer_zoo import datasets  # (benchmarks/: the script's directory)
 
 from turbospec import LLM, SamplingParams
 from turbospec.bench.machine import benchmark_meta, header_lines, save_results
-from turbospec.spec.eagle import EagleDraft
-from turbospec.spec.eagle_training import WINDOW, FlatExamples, flat_examples, heldout_accuracy, target_features
-from turbospec.spec.head_training import vocab_remap
-from turbospec.spec.heads import file_sha256, head_path
+from turbospec.proposers.eagle import EagleDraft
+from turbospec.training.eagle import WINDOW, FlatExamples, flat_examples, heldout_accuracy, target_features
+from turbospec.training.heads import vocab_remap
+from turbospec.proposers.heads import file_sha256, head_path
 
 
 def vocabularies(own: torch.Tensor, sequences: list[tuple[list[int], int]], vocab_size: int

@@ -40,7 +40,7 @@ import numpy as np
 
 from turbospec import LLM, SamplingParams
 from turbospec.bench.machine import machine_info
-from turbospec.bench.prompts import BenchPrompt, load_prompts, load_sharegpt
+from turbospec.data.prompts import BenchPrompt, load_prompts, load_sharegpt
 
 POLICIES = ("no-spec", "fixed-1", "fixed-2", "fixed-4", "fixed-8", "adaptive")
 SCENARIO_POLICIES = ("no-spec", "fixed-4", "fixed-8", "adaptive")

@@ -19,7 +19,7 @@ from typing import Any
 from proposer_zoo import after_first_lines, datasets, run_turbospec, summarise  # (benchmarks/: the script's directory)
 
 from turbospec.bench.machine import benchmark_meta, header_lines, save_results
-from turbospec.spec.heads import file_sha256, read_head_file
+from turbospec.proposers.heads import file_sha256, read_head_file
 
 SETS = ("mt-bench", "humaneval")
 

@@ -30,7 +30,7 @@ BEFORE = "ef1df71"  # the last commit whose scorer ran every position
 
 
 def scorer_before() -> ModuleType:
-    """turbospec/spec/layer_search.py as of BEFORE, imported inside the package (its relative imports work)."""
+    """turbospec/spec/layer_search.py (now tuning/layer_search.py) as of BEFORE, imported inside the package (its relative imports work)."""
     source = subprocess.run(["git", "show", f"{BEFORE}:turbospec/spec/layer_search.py"], capture_output=True,
                             text=True, check=True).stdout
     with tempfile.TemporaryDirectory() as folder:

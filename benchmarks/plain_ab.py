@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from turbospec import LLM, SamplingParams
-from turbospec.bench.prompts import load_prompts
+from turbospec.data.prompts import load_prompts
 from turbospec.models.registry import gguf_path
 
 

@@ -3,7 +3,7 @@
 A brief profile is measured twice on one engine: on a quiet machine, and with a bursty co-runner (a process busy
 for 0.15 s of every 0.4 s, like a test or a tokenizer job sharing the cores). Each profile is fitted twice from
 the same samples: every recorded step kept (profiler version 8), and the steps more than 1.25x slower than the
-fastest round of their grid point and k dropped (version 9, `control/profiler.py` drop_disturbed). Per fit: the
+fastest round of their grid point and k dropped (version 9, `tuning/profiler.py` drop_disturbed). Per fit: the
 price of a batch-1 step with k verified nodes over a decode, and what the adaptive row then does on HumanEval
 (always measured on the quiet machine): tokens/s, tau, mean k. Plain and fixed-k rows on the same engine are the
 reference, measured before and after the adaptive ones.
@@ -27,7 +27,7 @@ from turbospec import LLM, SamplingParams
 from turbospec.bench.humaneval import answer_prefix, load_humaneval
 from turbospec.bench.humaneval import chat_messages as humaneval_messages
 from turbospec.bench.machine import benchmark_meta, header_lines, save_results
-from turbospec.control import profiler
+from turbospec.tuning import profiler
 from turbospec.control.step_time import StepFeatures, StepSample, StepTimeModel
 
 # busy for 0.15 s, asleep for 0.25 s, until killed

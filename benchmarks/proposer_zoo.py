@@ -8,7 +8,7 @@ does). Rows:
 - PLD: prompt lookup, k fixed; lookahead: Jacobi window + n-gram pool, trees of up to k nodes;
 - layer-skip: the searched set (turbospec search-layers);
 - Medusa, Hydra, EAGLE: our committed heads and draft layer (heads/), trees of up to k nodes;
-- DART: our parallel draft (spec/dart.py: the EAGLE layer adapted to predict 4 positions in one pass, its tree
+- DART: our parallel draft (proposers/dart.py: the EAGLE layer adapted to predict 4 positions in one pass, its tree
   searched with an n-gram table), trees of up to k nodes;
 - adaptive: the goodput controller choosing k on top of the best fixed row of the same run, measured alongside
   that fixed row and plain decoding once more (the engines loaded side by side, taking turns prompt by prompt):
@@ -40,7 +40,7 @@ from turbospec import LLM, SamplingParams
 from turbospec.bench.humaneval import answer_prefix, load_humaneval
 from turbospec.bench.humaneval import chat_messages as humaneval_messages
 from turbospec.bench.machine import benchmark_meta, header_lines, save_results
-from turbospec.bench.prompts import load_mtbench
+from turbospec.data.prompts import load_mtbench
 from turbospec.models.registry import pull
 
 DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from turbospec import LLM, SamplingParams
 from turbospec.bench.humaneval import answer_prefix, chat_messages, load_humaneval
 from turbospec.bench.machine import benchmark_meta, header_lines, save_results
-from turbospec.control.profiler import profile_key, profile_path
+from turbospec.tuning.profiler import profile_key, profile_path
 
 KS = (0, 1, 2, 4, 6, 8)
 

@@ -28,7 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from turbospec.sim.acceptance import rates_from_trace
+from turbospec.sim.draft_outcomes import rates_from_trace
 from turbospec.sim.metrics import run_summary
 from turbospec.sim.replica import SpecPolicy
 from turbospec.sim.simulator import Deployment, simulate

@@ -46,16 +46,16 @@ from typing import Any
 
 import numpy as np
 
-from turbospec.bench.prompts import load_sharegpt
-from turbospec.bench.serve_bench import arrival_offsets
+from turbospec.data.prompts import load_sharegpt
+from turbospec.data.arrivals import arrival_offsets
 from turbospec.bench.serve_report import summarize
 from turbospec.config import EngineConfig
-from turbospec.control.profiler import GRIDS, build_model, load_or_profile, profile_key, profile_path
+from turbospec.tuning.profiler import GRIDS, build_model, load_or_profile, profile_key, profile_path
 from turbospec.control.step_time import StepFeatures, StepSample, StepTimeModel
 from turbospec.engine import LLMEngine
 from turbospec.sampling_params import SamplingParams
 from turbospec.server.async_engine import AsyncEngine
-from turbospec.sim.acceptance import TraceRecord, TraceReplay, rates_from_trace
+from turbospec.sim.draft_outcomes import TraceRecord, TraceReplay, rates_from_trace
 from turbospec.sim.replica import SpecPolicy
 from turbospec.sim.simulator import Deployment, simulate
 from turbospec.sim.step_cost import StepCost, StepOverhead, mean_level

@@ -25,7 +25,7 @@ import torch
 
 from turbospec import LLM, SamplingParams
 from turbospec.bench.machine import benchmark_meta, header_lines, save_results
-from turbospec.bench.prompts import BenchPrompt, load_mtbench, load_prompts
+from turbospec.data.prompts import BenchPrompt, load_mtbench, load_prompts
 from turbospec.models.registry import gguf_path, pull
 
 

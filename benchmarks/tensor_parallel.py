@@ -80,7 +80,7 @@ def main() -> None:
         return
 
     from turbospec.bench.machine import benchmark_meta, save_results
-    from turbospec.bench.prompts import load_mtbench
+    from turbospec.data.prompts import load_mtbench
     from turbospec.models.loader import load_model
 
     tok = load_model(args.model, "bfloat16", progress=False, weight_format="bf16").tokenizer

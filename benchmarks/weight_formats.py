@@ -206,7 +206,7 @@ def run_llama_cpp(job: dict[str, Any], python: str, tmp: Path) -> dict[str, Any]
 def build_job(args: argparse.Namespace) -> dict[str, Any]:
     from turbospec.bench.humaneval import answer_prefix, load_humaneval
     from turbospec.bench.humaneval import chat_messages as humaneval_messages
-    from turbospec.bench.prompts import load_mtbench
+    from turbospec.data.prompts import load_mtbench
     from turbospec.models.loader import load_model
 
     tok = load_model(args.model, "bfloat16", progress=False, weight_format="bf16").tokenizer

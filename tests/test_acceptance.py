@@ -1,4 +1,4 @@
-"""Acceptance policies (spec/acceptance.py): the criteria against direct formulas, relaxed verification against a
+"""Acceptance policies (verification/lossy.py): the criteria against direct formulas, relaxed verification against a
 brute-force reference, AdaSD's adaptive thresholds, validation, and end-to-end runs on smollm2-135m with a
 perturbed copy of itself as the draft (a real draft/target pair that disagrees often enough to exercise every
 rule): lossless policies reproduce plain greedy decoding, typical acceptance keeps only tokens its rule allows
@@ -14,8 +14,8 @@ import torch
 
 from turbospec import LLM, SamplingParams
 from turbospec.config import EngineConfig, SpeculativeConfig
-from turbospec.spec.acceptance import AdaptiveThresholds, entropy, js_distance, relax_drafts, typical_accepts
-from turbospec.spec.verifier import verify
+from turbospec.verification.lossy import AdaptiveThresholds, entropy, js_distance, relax_drafts, typical_accepts
+from turbospec.verification.chain import verify
 
 MODEL = "smollm2-135m"
 PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",

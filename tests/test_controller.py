@@ -12,8 +12,8 @@ import pytest
 
 from turbospec import LLM, SamplingParams
 from turbospec.config import SpeculativeConfig
-from turbospec.control.acceptance import NodeRank
-from turbospec.control.profiler import profile_key, profile_path
+from turbospec.control.acceptance_estimators import NodeRank
+from turbospec.tuning.profiler import profile_key, profile_path
 from turbospec.control.step_time import LinearPart, StepTimeModel
 from turbospec.models.registry import gguf_path
 
@@ -139,7 +139,7 @@ def test_profile_is_cached_per_model_dtype_threads_and_hardware():
     other = dict(key, threads=str(int(key["threads"]) + 1))
     assert profile_path(other) != path
     # the grid reaches the controller's cap: costs near it are measured, not extrapolated
-    from turbospec.control.profiler import GRIDS, profile_ks
+    from turbospec.tuning.profiler import GRIDS, profile_ks
 
     assert max(profile_ks(llm.engine, GRIDS["brief"])) == llm.engine.spec.k_limit == 8
     llm.engine.spec.max_speculative_tokens = 12
@@ -190,7 +190,7 @@ def test_a_draft_model_never_verified_is_probed_once_so_its_acceptance_gets_meas
 
 
 def test_profiling_steps_stay_out_of_the_speculation_statistics():
-    from turbospec.control.profiler import ProfileGrid, profile_engine
+    from turbospec.tuning.profiler import ProfileGrid, profile_engine
 
     llm = _llm(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     before = llm.spec_stats()
@@ -201,8 +201,8 @@ def test_profiling_steps_stay_out_of_the_speculation_statistics():
 def test_the_profile_measures_the_ks_in_turn_after_an_unrecorded_round(monkeypatch):
     """Every k once per round, so a machine drifting over a point's seconds moves all ks alike; the first round
     unrecorded, since the first step at a new row count pays one-time costs (docs/ARCHITECTURE.md, the profiler)."""
-    from turbospec.control import profiler
-    from turbospec.control.profiler import ProfileGrid, profile_engine
+    from turbospec.tuning import profiler
+    from turbospec.tuning.profiler import ProfileGrid, profile_engine
 
     # no step dropped as disturbed (the next test covers that): this tiny model's steps take a few ms, and one of
     # them ran 1.25x its round's other once beside a parallel test worker (make test, 2026-12-03)
@@ -218,7 +218,7 @@ def test_a_profile_drops_the_steps_another_process_disturbed():
     """Per grid point and k, a round more than 1.25x slower than the fastest is dropped; ordinary jitter and
     every other k's rounds stay, in measuring order. A disturbed k = 0 must not make drafts look cheap, nor a
     disturbed k = 8 make them look dear."""
-    from turbospec.control.profiler import drop_disturbed
+    from turbospec.tuning.profiler import drop_disturbed
     from turbospec.control.step_time import StepFeatures, StepSample
 
     def sample(k, ms):
@@ -235,7 +235,7 @@ def test_tree_drafters_learn_acceptance_per_node_rank_and_time_their_draft(plain
     """EAGLE's k drafts are its k most confident tree nodes: the controller learns how often each rank is
     accepted (not a chain's per-position rate), and the step samples put the draft layer's time in the draft
     part, per drafting request, where the controller charges it (not in overhead, spread over verified nodes)."""
-    from turbospec.control.profiler import ProfileGrid, profile_engine
+    from turbospec.tuning.profiler import ProfileGrid, profile_engine
 
     llm = _llm(speculative_config={"method": "eagle"})
     engine = llm.engine

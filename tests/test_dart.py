@@ -15,11 +15,11 @@ import torch
 from spec_prompts import SPEC_PROMPTS
 
 from turbospec import LLM, SamplingParams
-from turbospec.spec.dart import CONTEXT_WEIGHT, DartConfig, DartDraft, NgramScorer, ngram_table
-from turbospec.spec.dart_proposer import DartProposer
-from turbospec.spec.eagle import EagleDraft
-from turbospec.spec.head_training import TrainHeadOptions
-from turbospec.spec.heads import file_sha256, head_path
+from turbospec.proposers.dart import CONTEXT_WEIGHT, DartConfig, DartDraft, NgramScorer, ngram_table
+from turbospec.proposers.dart_proposer import DartProposer
+from turbospec.proposers.eagle import EagleDraft
+from turbospec.training.heads import TrainHeadOptions
+from turbospec.proposers.heads import file_sha256, head_path
 
 pytestmark = pytest.mark.slow
 
@@ -153,7 +153,7 @@ def test_proposer_prefers_the_path_the_ngram_knows(plain, tmp_path):
 
 
 def test_training_pipeline(plain, tmp_path, monkeypatch):
-    from turbospec.spec.dart_training import train_dart
+    from turbospec.training.dart import train_dart
 
     monkeypatch.setenv("TURBOSPEC_HOME", str(tmp_path / "home"))
     opts = TrainHeadOptions("dart", num_heads=3, num_prompts=4, max_tokens=10, budget_minutes=5, epochs=2,
@@ -208,9 +208,9 @@ def test_each_pass_position_is_trained_on_the_targets_choice_that_many_positions
     t + 1 + j scores every hit; labels past a sequence's end are ignored."""
     from types import SimpleNamespace
 
-    from turbospec.spec.dart_training import _batch_loss
-    from turbospec.spec.eagle_training import FlatExamples
-    from turbospec.spec.head_training import vocab_remap
+    from turbospec.training.dart import _batch_loss
+    from turbospec.training.eagle import FlatExamples
+    from turbospec.training.heads import vocab_remap
 
     choice = torch.tensor([7, 3, 9, 1, 4, 8, 2, 6, 0, 5, 3, 1])  # two sequences: positions 0-5 and 6-11
     seq_end = torch.tensor([6] * 6 + [12] * 6)

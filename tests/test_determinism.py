@@ -255,7 +255,7 @@ def test_margin_gate_tokens_are_deterministic_and_triggers_are_counted(invariant
                                                                        reference: dict[str, tuple]) -> None:
     """With the threshold calibrated for this model, the needle's tokens are the same in every batch (and equal
     the batch-invariant ones); only low-margin tokens are re-checked, so the trigger rate is between 0 and 1."""
-    from turbospec.determinism.calibrate import calibrate
+    from turbospec.tuning.margin_calibration import calibrate
 
     probe = _sibling(invariant, None)
     calibration = calibrate(probe.engine, num_prompts=6, max_tokens=32, progress=False)

@@ -1,4 +1,4 @@
-"""A draft's cut vocabulary (spec/draft_vocab.py): which tokens it keeps, and that the logits it gives are the full
+"""A draft's cut vocabulary (proposers/draft_vocab.py): which tokens it keeps, and that the logits it gives are the full
 head's on those tokens and -inf elsewhere (greedy exactness with it: test_spec.py)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from turbospec.models.loader import load_model
 from turbospec.models.registry import pull
 from turbospec.models.weight_format import _load_packs
-from turbospec.spec.draft_vocab import (
+from turbospec.proposers.draft_vocab import (
     AUTO_SIZE,
     DraftVocabulary,
     VocabHead,

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from turbospec.control.acceptance import (
+from turbospec.control.acceptance_estimators import (
     ESTIMATORS, GlobalEMA, NodeRank, PositionBeta, RequestBeta, expected_tokens, make_estimator, outcome_probability,
 )
 from turbospec.control.controller import Candidate, GoodputController, widen_lone_request

@@ -13,10 +13,10 @@ from spec_prompts import SPEC_PROMPTS
 
 from turbospec import LLM, SamplingParams
 from turbospec.bench.eagle_reference import RecomputingEagleProposer
-from turbospec.spec.eagle import EagleConfig, EagleDraft, default_feature_layers
-from turbospec.spec.head_proposer import EagleProposer, HeadProposer, TreeDrafter
-from turbospec.spec.head_training import TrainHeadOptions, train_heads, work_dir
-from turbospec.spec.heads import HEADS_DIR, DraftHeads, HeadConfig, head_path
+from turbospec.proposers.eagle import EagleConfig, EagleDraft, default_feature_layers
+from turbospec.proposers.head_proposer import EagleProposer, HeadProposer, TreeDrafter
+from turbospec.training.heads import TrainHeadOptions, train_heads, work_dir
+from turbospec.proposers.heads import HEADS_DIR, DraftHeads, HeadConfig, head_path
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,7 @@ def test_untrained_medusa_head_is_the_lm_head_on_the_draft_vocabulary(plain, tmp
 
 
 def test_eagle_training_pipeline(plain, tmp_path, monkeypatch):
-    from turbospec.spec.eagle_training import train_eagle
+    from turbospec.training.eagle import train_eagle
 
     monkeypatch.setenv("TURBOSPEC_HOME", str(tmp_path / "home"))
     opts = TrainHeadOptions("eagle", num_heads=2, num_prompts=4, max_tokens=10, draft_vocab=256, budget_minutes=5,
@@ -62,9 +62,9 @@ def test_eagle_training_pipeline(plain, tmp_path, monkeypatch):
 
     # fine-tuning it (--init) on the target's own answers to code prompts: same vocabulary, new weights, and the
     # starting point's score on the new held-out set is reported next to the result's
-    from turbospec.bench.prompts import load_sharegpt_exchanges
-    from turbospec.spec.head_training import CONVERSATIONS_STOP, PROMPT_SKIP, distillation_answers
-    from turbospec.spec.heads import file_sha256
+    from turbospec.data.prompts import load_sharegpt_exchanges
+    from turbospec.training.heads import CONVERSATIONS_STOP, PROMPT_SKIP, distillation_answers
+    from turbospec.proposers.heads import file_sha256
 
     tuned_opts = TrainHeadOptions("eagle", num_heads=2, num_prompts=3, max_tokens=10, budget_minutes=5, epochs=1,
                                   batch_size=8, generate_batch=3, code_only=True,
@@ -90,9 +90,9 @@ def test_eagle_training_pipeline(plain, tmp_path, monkeypatch):
 def test_eagle_conversation_labels_are_the_targets_greedy_choices(plain, tmp_path, monkeypatch):
     """--data conversations: ShareGPT's recorded answers read teacher-forced; each position's label is what the
     target itself would generate next there (checked against generate() on that prefix), not the data's token."""
-    from turbospec.bench.prompts import load_sharegpt_exchanges
-    from turbospec.spec.eagle_training import target_features
-    from turbospec.spec.head_training import CONVERSATIONS_STOP, PROMPT_SKIP, conversation_sequences
+    from turbospec.data.prompts import load_sharegpt_exchanges
+    from turbospec.training.eagle import target_features
+    from turbospec.training.heads import CONVERSATIONS_STOP, PROMPT_SKIP, conversation_sequences
 
     monkeypatch.setenv("TURBOSPEC_HOME", str(tmp_path / "home"))
     opts = TrainHeadOptions("eagle", num_prompts=2, max_tokens=12, data="conversations", code_only=True)

@@ -13,8 +13,8 @@ from turbospec import LLM, SamplingParams
 from turbospec.kv.block_manager import BlockManager
 from turbospec.kv.kv_cache import KVCache
 from turbospec.runner import ModelRunner, SeqInput
-from turbospec.spec.layer_search import LayerSkipPlan, _Scorer, expected_speedup, load_or_search, plan_path
-from turbospec.spec.layer_skip import LayerSkipProposer, SkippingModel
+from turbospec.tuning.layer_search import LayerSkipPlan, _Scorer, expected_speedup, load_or_search, plan_path
+from turbospec.proposers.layer_skip import LayerSkipProposer, SkippingModel
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +64,7 @@ def test_scorer_sees_the_full_models_kv_like_the_live_draft(llm):
 
 
 def test_search_is_cached_and_reused(llm, tmp_path, monkeypatch):
-    from turbospec.spec.layer_search import search_skip_layers
+    from turbospec.tuning.layer_search import search_skip_layers
 
     monkeypatch.setenv("TURBOSPEC_HOME", str(tmp_path))
     calls = []
@@ -74,7 +74,7 @@ def test_search_is_cached_and_reused(llm, tmp_path, monkeypatch):
         return search_skip_layers(engine, num_prompts=2, max_tokens=8, max_skip_fraction=0.1, candidates_per_round=2,
                                   progress=False)
 
-    monkeypatch.setattr("turbospec.spec.layer_search.search_skip_layers", small_search)
+    monkeypatch.setattr("turbospec.tuning.layer_search.search_skip_layers", small_search)
     plan = load_or_search(llm.engine, progress=False)
     assert calls == [1] and plan_path(llm.engine).exists()
     assert plan.num_layers == 30 and 1 <= len(plan.skip) <= 3 and 0 not in plan.skip and 29 not in plan.skip

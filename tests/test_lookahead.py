@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from turbospec.spec.lookahead import LookaheadProposer
+from turbospec.proposers.lookahead import LookaheadProposer
 
 
 def _req(ids: list[int], determinism: str | None = None) -> SimpleNamespace:
     return SimpleNamespace(request_id="r", all_token_ids=ids, num_tokens=len(ids), acceptance="exact",
-                           determinism=determinism)
+                           determinism=determinism, accepts_trees=determinism is None)
 
 
 def test_window_pool_and_jacobi_shift():

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from turbospec.spec.ngram import NgramProposer, ngram_propose
+from turbospec.proposers.ngram import NgramProposer, ngram_propose
 
 
 def brute_force(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:

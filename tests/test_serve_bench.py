@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from live_server import LiveServer, live_server
 
-from turbospec.bench import prometheus_text as pt
+from turbospec.server import prometheus_text as pt
 from turbospec.bench import serve_bench as sb
 from turbospec.bench import serve_client as sc
 from turbospec.bench import serve_report as sr
-from turbospec.bench.prompts import BenchPrompt, load_random
+from turbospec.data.prompts import BenchPrompt, load_random
 from turbospec.config import EngineConfig
 from turbospec.engine import LLMEngine
 

@@ -13,7 +13,7 @@ import pytest
 from turbospec.cli import main
 from turbospec.control.controller import base_step
 from turbospec.control.step_time import LinearPart, StepFeatures, StepSample, StepTimeModel
-from turbospec.sim.acceptance import Outcome, PositionRates, TextRuns, TraceReplay, rates_from_trace
+from turbospec.sim.draft_outcomes import Outcome, PositionRates, TextRuns, TraceReplay, rates_from_trace
 from turbospec.sim.replica import Replica, SpecPolicy
 from turbospec.sim.simulator import Deployment, simulate
 from turbospec.sim.step_cost import (

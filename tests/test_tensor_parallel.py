@@ -20,7 +20,7 @@ from turbospec import LLM, SamplingParams
 from turbospec.attention import build_metadata
 from turbospec.cli import main
 from turbospec.config import EngineConfig
-from turbospec.control.profiler import GRIDS, ProfileGrid, profile_key, profile_path
+from turbospec.tuning.profiler import GRIDS, ProfileGrid, profile_key, profile_path
 from turbospec.determinism.batch_invariant import invariant_linear
 from turbospec.kv.kv_cache import KVCache
 from turbospec.models.layers import RowLinear, dummy_init_

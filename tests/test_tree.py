@@ -11,7 +11,7 @@ from test_verifier import chi2_critical, chi2_stat
 
 from turbospec.attention import build_metadata, paged_attention
 from turbospec.sampler import make_generator
-from turbospec.spec.tree import TokenTree, compaction, verify_tree_greedy, verify_tree_sampled
+from turbospec.verification.tree import TokenTree, compaction, verify_tree_greedy, verify_tree_sampled
 
 torch.set_num_threads(1)
 
@@ -165,7 +165,7 @@ def test_sliding_window_is_measured_from_the_nodes_depth():
 
 
 def test_spec_stats_count_trees_by_depth_and_chains_by_position():
-    from turbospec.spec.stats import SpecDecodingStats
+    from turbospec.verification.stats import SpecDecodingStats
 
     stats = SpecDecodingStats()
     stats.observe(3, 2)  # a chain of 3, 2 accepted

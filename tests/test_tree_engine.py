@@ -12,8 +12,8 @@ from spec_prompts import SPEC_PROMPTS
 
 from turbospec import LLM, SamplingParams
 from turbospec.request import Request
-from turbospec.spec.proposer import Draft, Proposer
-from turbospec.spec.tree import TokenTree
+from turbospec.proposers.base import Draft, Proposer
+from turbospec.verification.tree import TokenTree
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,8 @@ import torch
 torch.set_num_threads(1)
 
 from turbospec.sampler import make_generator  # noqa: E402
-from turbospec.spec import verifier  # noqa: E402
-from turbospec.spec.verifier import VerifyOutput, greedy_verify, verify  # noqa: E402
+from turbospec.verification import chain as verifier  # noqa: E402
+from turbospec.verification.chain import VerifyOutput, greedy_verify, verify  # noqa: E402
 
 V = 5
 TRIALS = 20_000

@@ -283,7 +283,7 @@ def test_two_processes_saving_crossovers_keep_each_others_entries(tmp_path):
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "Q5_0"])
 @pytest.mark.parametrize("amx", [True, False], ids=["amx-layout", "int8-or-int4"])
 def test_a_packed_weights_rows_are_cut_without_changing_a_value(type_name, amx):
-    """A draft vocabulary's head (spec/draft_vocab.py) is the LM head's rows, repacked: the same values."""
+    """A draft vocabulary's head (proposers/draft_vocab.py) is the LM head's rows, repacked: the same values."""
     groups = gguf_blocks.decode(random_blocks(type_name, 64, 256), type_name, 64, 256)
     rows = np.array([0, 3, 17, 18, 40, 41, 42, 43, 50, 51, 52, 53, 60, 61, 62, 63])
     if amx:
@@ -425,7 +425,7 @@ def test_cli_refuses_an_impossible_format_with_exit_code_2():
 @pytest.mark.slow
 def test_step_time_profiles_are_per_weight_format():
     """A packed engine's step times have another shape: it must never reuse a dense engine's cached profile."""
-    from turbospec.control.profiler import profile_key
+    from turbospec.tuning.profiler import profile_key
     from turbospec.engine import LLMEngine
 
     keys = {}

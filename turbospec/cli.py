@@ -199,7 +199,7 @@ def _window(text: str) -> int | str:
 
 def _profile(args: argparse.Namespace) -> int:
     from .config import EngineConfig, SpeculativeConfig
-    from .control.profiler import GRIDS, build_model, profile_path
+    from .tuning.profiler import GRIDS, build_model, profile_path
     from .engine import LLMEngine
 
     try:
@@ -227,7 +227,7 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from .determinism.calibrate import calibrate, calibration_path
+    from .tuning.margin_calibration import calibrate, calibration_path
 
     try:
         _require_at_least_one(args, "num_prompts", "max_tokens")
@@ -264,7 +264,7 @@ def _require_at_least_one(args: argparse.Namespace, *names: str) -> None:
 
 
 def _search_layers(args: argparse.Namespace) -> int:
-    from .spec.layer_search import plan_path, search_skip_layers
+    from .tuning.layer_search import plan_path, search_skip_layers
 
     try:
         _require_at_least_one(args, "num_prompts", "max_tokens")
@@ -285,8 +285,8 @@ def _search_layers(args: argparse.Namespace) -> int:
 
 
 def _train_head(args: argparse.Namespace) -> int:
-    from .spec.head_training import TrainHeadOptions, train_heads
-    from .spec.heads import head_path
+    from .training.heads import TrainHeadOptions, train_heads
+    from .proposers.heads import head_path
 
     try:
         _require_at_least_one(args, "num_heads", "num_prompts", "max_tokens", "draft_vocab", "epochs", "batch_size")
@@ -308,11 +308,11 @@ def _train_head(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from exc
     out = Path(args.out) if args.out else head_path(args.model, args.method)
     if args.method == "eagle":
-        from .spec.eagle_training import train_eagle
+        from .training.eagle import train_eagle
 
         report = train_eagle(engine, opts, out, resume=args.resume)
     elif args.method == "dart":
-        from .spec.dart_training import train_dart
+        from .training.dart import train_dart
 
         report = train_dart(engine, opts, out, base, resume=args.resume)
     else:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .control.acceptance import DEFAULT_ESTIMATOR, ESTIMATORS
-from .spec.policies import LOSSLESS_POLICIES, TYPICAL_DELTA, TYPICAL_EPSILON, check_policy
+from .control.acceptance_estimators import DEFAULT_ESTIMATOR, ESTIMATORS
+from .verification.policies import LOSSLESS_POLICIES, TYPICAL_DELTA, TYPICAL_EPSILON, check_policy
 
 DTYPE_NAMES = ("bfloat16", "bf16", "float32", "fp32", "float16", "fp16")
 WEIGHT_FORMATS = ("auto", "bf16", "int4", "int8", "auto-q8act")  # models/weight_format.py says what each keeps
@@ -143,27 +143,27 @@ class SpeculativeConfig:
     # trained depth or DART's positions per pass. EAGLE may go deeper: its layer reads its own outputs at every
     # step, trained depth or not; DART may not (one pass predicts a fixed number of positions).
     tree_depth: int | None = None
-    # method "lookahead": Jacobi window length and n-gram size of its pool (spec/lookahead.py)
+    # method "lookahead": Jacobi window length and n-gram size of its pool (proposers/lookahead.py)
     lookahead_window: int = 4
     lookahead_ngram: int = 3
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    acceptance_estimator: str = DEFAULT_ESTIMATOR  # see control/acceptance.py
+    acceptance_estimator: str = DEFAULT_ESTIMATOR  # see control/acceptance_estimators.py
     # For studies only: accept each draft token with this fixed probability whatever it is (TurboSpec's
     # microbenchmarks). Outputs are then NOT the model's; step costs and the controller's choices are real.
     synthetic_acceptance: float | None = None
     # which drafts are kept: "exact" (lossless rejection sampling, the default), or a policy of
-    # spec/acceptance.py. "typical", "adasd" and "adasd-verification" are LOSSY: output is no longer the
+    # verification/lossy.py. "typical", "adasd" and "adasd-verification" are LOSSY: output is no longer the
     # target's own. A request may pick another policy (LLMEngine.add_request(acceptance=), HTTP "acceptance").
     acceptance: str = "exact"
     # methods "draft" / "layer-skip" in auto mode: "confidence" (the default) lets the draft stop where it turns
-    # unsure (spec/acceptance.py, AdaptiveThresholds.draft_more; lossless), the controller's k being the cap;
+    # unsure (verification/lossy.py, AdaptiveThresholds.draft_more; lossless), the controller's k being the cap;
     # "none": the controller's k is the draft length. A fixed k is always drafted in full.
     draft_stop: str = "confidence"
     typical_epsilon: float = TYPICAL_EPSILON  # typical acceptance: p(x) > min(epsilon, delta * exp(-H(p)))
     typical_delta: float = TYPICAL_DELTA
     # methods "draft" / "layer-skip": the draft's LM head scores this many frequent tokens plus each request's own
-    # (spec/draft_vocab.py, lossless); "auto": 32768 for vocabularies of 64k tokens or more; null / 0: all
+    # (proposers/draft_vocab.py, lossless); "auto": 32768 for vocabularies of 64k tokens or more; null / 0: all
     draft_vocab_size: int | str | None = "auto"
     # method "draft": "int4" rounds the draft model's wider GGUF blocks (Q5_0, Q8_0, Q6_K) to 4 bits, groups of 32
     # (gguf_blocks.requantize_int4): fewer bytes per draft token; lossy for the draft only, so the output stays

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .config import REQUEST_DETERMINISTIC_MODES, EngineConfig
-from .control.acceptance import make_estimator
+from .control.acceptance_estimators import make_estimator
 from .control.controller import Candidate, GoodputController, base_step, widen_lone_request
 from .control.step_time import StepFeatures, StepSample
 from .determinism.exact import COMPETITORS, ExactDecoding, PickedRows
@@ -31,14 +31,14 @@ from .runner import ModelOutput, ModelRunner
 from .sampler import SamplingBatch, compute_logprobs, fold_seed, make_generator, processed_probs, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
-from .spec.acceptance import AdaptiveThresholds, relax_drafts
-from .spec.draft_model import DraftModelProposer
-from .spec.factory import build_proposer
-from .spec.ngram import NgramProposer
-from .spec.policies import LOSSLESS_POLICIES, RELAXES_JS, check_policy
-from .spec.stats import SpecDecodingStats
-from .spec.tree import compaction, verify_tree_greedy, verify_tree_sampled
-from .spec.verifier import synthetic_verify, verify
+from .verification.lossy import AdaptiveThresholds, relax_drafts
+from .proposers.draft_model import DraftModelProposer
+from .proposers.factory import build_proposer
+from .proposers.ngram import NgramProposer
+from .verification.policies import LOSSLESS_POLICIES, RELAXES_JS, check_policy
+from .verification.stats import SpecDecodingStats
+from .verification.tree import compaction, verify_tree_greedy, verify_tree_sampled
+from .verification.chain import synthetic_verify, verify
 
 log = logging.getLogger("turbospec.engine")
 
@@ -294,7 +294,7 @@ class LLMEngine:
 
     def _ensure_controller(self, progress: bool) -> None:
         if self.controller is None:
-            from .control.profiler import load_or_profile  # imports tqdm and the registry: only when used
+            from .tuning.profiler import load_or_profile  # imports tqdm and the registry: only when used
 
             assert self.spec is not None
             model = load_or_profile(self, progress)
@@ -348,7 +348,7 @@ class LLMEngine:
         features = self._features(sched, draft_tokens, drafting, levels) if learn or self.sample_steps else None
         model_out = self.runner.execute(sched, self._exact_ids)
         forwarded = time.perf_counter()
-        if draft_tokens:  # AdaSD weighs a draft step against this (spec/acceptance.py)
+        if draft_tokens:  # AdaSD weighs a draft step against this (verification/lossy.py)
             self.adaptive_thresholds.observe_costs(target_step_s=forwarded - proposed)
         outputs = self._update(sched, model_out)
         end = time.perf_counter()
@@ -591,7 +591,7 @@ class LLMEngine:
 
     def _verify_trees(self, trees: list[tuple[Request, int, int]], logits: torch.Tensor
                       ) -> dict[str, tuple[list[tuple[int, dict[int, Logprob] | None]], int]]:
-        """Exact tree acceptance (spec/tree.py) for requests whose drafts branch; records each accepted path
+        """Exact tree acceptance (verification/tree.py) for requests whose drafts branch; records each accepted path
         (for K/V compaction) and the row that produced the last emitted token (for heads)."""
         result: dict[str, tuple[list[tuple[int, dict[int, Logprob] | None]], int]] = {}
         for req, row, n in trees:
@@ -664,7 +664,7 @@ class LLMEngine:
 
     def _relaxation(self, picked: list[tuple[Request, int, int]], drafts: list[list[int]], logits: torch.Tensor,
                     probs: torch.Tensor) -> tuple[torch.Tensor | None, list[float]]:
-        """Positions lossy acceptance policies keep whatever the exact rule says (spec/acceptance.py), or None
+        """Positions lossy acceptance policies keep whatever the exact rule says (verification/lossy.py), or None
         when no request of this step uses one."""
         policies = [r.acceptance for r, _, _ in picked]
         if all(p in LOSSLESS_POLICIES for p, d in zip(policies, drafts) if d):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .spec.policies import LOSSLESS_POLICIES
+from .verification.policies import LOSSLESS_POLICIES
 
 
 @dataclass
@@ -52,7 +52,7 @@ class RequestOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     error: str | None = None
-    # The acceptance policy the request ran with (spec/policies.py) and the draft tokens it kept only because
+    # The acceptance policy the request ran with (verification/policies.py) and the draft tokens it kept only because
     # that policy relaxed the exact rule. Anything but "exact" / "adasd-generation" is lossy.
     acceptance: str = "exact"
     relaxed_tokens: int = 0

@@ -10,7 +10,7 @@ import torch
 
 from .models.tokenizer import IncrementalDetokenizer
 from .sampling_params import SamplingParams
-from .spec.tree import TokenTree
+from .verification.tree import TokenTree
 
 
 class RequestStatus(enum.Enum):
@@ -59,10 +59,10 @@ class Request:
     num_exact_kv: int = 0
     # Draft tokens proposed for this request, verified by the next step (speculative decoding).
     spec_token_ids: list[int] = field(default_factory=list)
-    # when the drafts branch: their tree (spec_token_ids are its nodes in order), verified by spec/tree.py
+    # when the drafts branch: their tree (spec_token_ids are its nodes in order), verified by verification/tree.py
     spec_tree: TokenTree | None = None
     spec_draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), V] when the drafts were sampled
-    # Acceptance policy (spec/policies.py): "exact" (lossless) unless the request or the engine asks for another.
+    # Acceptance policy (verification/policies.py): "exact" (lossless) unless the request or the engine asks for another.
     acceptance: str = "exact"
     # The draft model's distribution at each draft position for the policies that read it (the untempered
     # softmax for greedy requests, else spec_draft_probs' rows) and its entropy in nats

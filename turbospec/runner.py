@@ -12,7 +12,7 @@ from .kv.block_manager import BlockManager
 from .kv.kv_cache import KVCache, copy_slots
 from .models.llama import CausalLM
 from .scheduler import SchedulerOutput
-from .spec.tree import TokenTree
+from .verification.tree import TokenTree
 
 if TYPE_CHECKING:
     from .parallel.group import TensorParallelGroup
@@ -132,7 +132,7 @@ class SeqInput:
     start: int
     num_rows: int  # how many of the last tokens' logits to return (0: none)
     invariant: bool = False  # computed on the batch-invariant path
-    tree: TokenTree | None = None  # the last len(tree) tokens are this tree's nodes (spec/tree.py)
+    tree: TokenTree | None = None  # the last len(tree) tokens are this tree's nodes (verification/tree.py)
 
     def __post_init__(self) -> None:
         if self.tree is not None:

@@ -1,5 +1,5 @@
 """Helpers for benchmarks: prompt sets. Uses only turbospec's public API (nothing here imports engine internals)."""
 
-from .prompts import FALLBACK_PROMPTS, BenchPrompt, chat_messages, load_prompts
+from ..data.prompts import FALLBACK_PROMPTS, BenchPrompt, chat_messages, load_prompts
 
 __all__ = ["FALLBACK_PROMPTS", "BenchPrompt", "chat_messages", "load_prompts"]

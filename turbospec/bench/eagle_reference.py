@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from ..request import Request
-from ..spec.eagle import window_mask
-from ..spec.head_proposer import EagleProposer, Rows, _Node
+from ..proposers.eagle import window_mask
+from ..proposers.head_proposer import EagleProposer, Rows, _Node
 
 
 class RecomputingEagleProposer(EagleProposer):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .prompts import _humaneval_file
+from ..data.prompts import _humaneval_file
 from .sandbox import ExecResult, run_program
 
 INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"

@@ -9,7 +9,7 @@ by. Runs on a client machine: it needs httpx, numpy and tqdm, never torch (matpl
 The core is :func:`benchmark`, an ``async`` function of a :class:`BenchConfig` and the prompts to send; the
 CLI (:func:`add_arguments`, :func:`run`) loads the data set, calls it and writes the reports. One request is
 sent and timed in :mod:`.serve_client`, statistics and reports are in :mod:`.serve_report`, and the
-``/metrics`` parser is in :mod:`.prometheus_text`.
+``/metrics`` parser is in :mod:`turbospec.server.prometheus_text`.
 """
 
 from __future__ import annotations
@@ -30,27 +30,13 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from .prometheus_text import METRICS_TIMEOUT_S, fetch_metrics, speculation_stats
-from .prompts import BenchPrompt, load_mtbench, load_prompts, load_random, load_sharegpt
+from ..server.prometheus_text import METRICS_TIMEOUT_S, fetch_metrics, speculation_stats
+from ..data.prompts import BenchPrompt, load_mtbench, load_prompts, load_random, load_sharegpt
+from ..data.arrivals import arrival_offsets, parse_rates
 from .serve_client import RequestRecord, send_request
 from .serve_config import (DATASETS, DEFAULT_BASE_URL, DEFAULT_MAX_TOKENS, DEFAULT_RANDOM_INPUT_LEN,
                            DEFAULT_RANDOM_OUTPUT_LEN, ENDPOINTS, SLO_METRICS, BenchConfig)
 from .serve_report import markdown_report, rate_label, rate_summary, write_outputs
-
-
-def parse_rates(text: str) -> tuple[float, ...]:
-    """'1,2.5,inf' -> (1.0, 2.5, inf). ValueError for anything that is not a positive number or inf."""
-    rates = []
-    for piece in text.split(","):
-        try:
-            rate = float(piece.strip())
-        except ValueError:
-            raise ValueError(f"--request-rate {text!r}: {piece.strip()!r} is not a number; "
-                             "give comma-separated requests/s > 0, or inf (all at once)") from None
-        if not rate > 0:
-            raise ValueError(f"--request-rate {text!r}: {piece.strip()!r} must be > 0 requests/s, or inf")
-        rates.append(rate)
-    return tuple(rates)
 
 
 def parse_goodput(items: Sequence[str]) -> dict[str, float]:
@@ -178,17 +164,6 @@ def load_dataset(config: BenchConfig) -> list[BenchPrompt]:
     except RuntimeError as exc:
         raise ValueError(f"--dataset {config.dataset}: {exc}") from None
     return cycle_prompts(loaded, n)
-
-
-def arrival_offsets(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
-    """Send times (s from the start) of `n` requests: the first at 0, then gaps ~ Gamma(shape=burstiness,
-    scale=1/(rate*burstiness)), whose mean is 1/rate and coefficient of variation 1/sqrt(burstiness).
-    rate inf: all at 0. Numpy scales one standard-gamma draw per gap, so a seed gives the same gaps at every
-    rate up to scale, and rates differ only in load."""
-    if math.isinf(rate):
-        return np.zeros(n)
-    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=max(n - 1, 0))
-    return np.concatenate(([0.0], np.cumsum(gaps)))[:n]
 
 
 # --- the benchmark -----------------------------------------------------------------------------------------

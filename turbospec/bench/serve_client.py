@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 if TYPE_CHECKING:
-    from .prompts import BenchPrompt
+    from ..data.prompts import BenchPrompt
     from .serve_config import BenchConfig
 
 ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}

@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from .acceptance import AcceptanceEstimator, expected_tokens
+from .acceptance_estimators import AcceptanceEstimator, expected_tokens
 from .goodput import Choice, choose_lengths
 from .step_time import StepFeatures, StepTimeModel
 

@@ -23,7 +23,7 @@ CPU, where a forward costs about as much for 8 rows as for 1, this is far cheape
   calibrated threshold is final at once. A token below it becomes a check token: the next step recomputes
   every position since the request's last exact KV (``Request.num_exact_kv``) and the token itself on the
   invariant path. So a re-checked token is exact; the others are exact as far as the calibration holds
-  (determinism/calibrate.py).
+  (tuning/margin_calibration.py).
 
 Prefill chunks of llm42 and margin-gate requests run on the invariant path too, and their prefix-cache blocks
 live under their own salt, so their context starts exact.
@@ -102,7 +102,7 @@ class ExactDecoding:
         """The margin below which margin-gate re-checks a token: the configured one, or the calibrated one
         (calibrated now, and cached, when this model has none)."""
         if self._threshold is None:
-            from .calibrate import load_or_calibrate  # runs a private engine: only when margin-gate is used
+            from ..tuning.margin_calibration import load_or_calibrate  # runs a private engine: only when margin-gate is used
 
             self._threshold = load_or_calibrate(self.engine).threshold
         return self._threshold
@@ -111,7 +111,7 @@ class ExactDecoding:
         """Whether margin-gate can start without calibrating (a configured or cached threshold)."""
         if self._threshold is not None:
             return True
-        from .calibrate import MarginCalibration, calibration_path
+        from ..tuning.margin_calibration import MarginCalibration, calibration_path
 
         return MarginCalibration.load(calibration_path(self.engine)) is not None
 

@@ -122,7 +122,7 @@ class CausalLM(nn.Module):
         layer_ids: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token. layer_ids runs only those layers (in
-        order), each with its own KV cache: the layer-skip draft (spec/layer_skip.py)."""
+        order), each with its own KV cache: the layer-skip draft (proposers/layer_skip.py)."""
         x = self.embed_tokens(input_ids)
         if meta.compute_dtype is not None:
             x = x.to(meta.compute_dtype)

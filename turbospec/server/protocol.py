@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..sampling_params import MAX_LOGPROBS, SamplingParams
-from ..spec.policies import ACCEPTANCE_POLICIES
+from ..verification.policies import ACCEPTANCE_POLICIES
 
 MAX_N = 16  # completions per request: each is a full engine request
 
@@ -62,7 +62,7 @@ class _SamplingFields(StrictModel):
     # turbospec: make this request deterministic (llm42 or margin-gate on any server; batch-invariant only on a
     # server started with --deterministic batch-invariant); absent: the server's --deterministic mode
     deterministic: Literal["batch-invariant", "llm42", "margin-gate"] | None = None
-    # turbospec: this request's acceptance policy (spec/policies.py); absent: the server's. typical, adasd and
+    # turbospec: this request's acceptance policy (verification/policies.py); absent: the server's. typical, adasd and
     # adasd-verification are LOSSY (the answer is no longer the model's own); responses then carry "acceptance"
     acceptance: Literal[ACCEPTANCE_POLICIES] | None = None  # type: ignore[valid-type]
     user: str | None = None  # an end-user id for abuse tracking: carries no behaviour, so accepting it is safe

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..bench.prometheus_text import SAMPLE_LINE
+from .prometheus_text import SAMPLE_LINE
 from .ray_router import RouteHint, prefix_digest
 
 log = logging.getLogger("turbospec.server")

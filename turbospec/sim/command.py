@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from ..host import turbospec_home
-from ..bench.serve_bench import parse_rates
+from ..data.arrivals import parse_rates
 from ..config import check_positive, int_list
-from .acceptance import AcceptanceModel, PositionRates, TraceReplay, load_trace, rates_from_trace
+from .draft_outcomes import AcceptanceModel, PositionRates, TraceReplay, load_trace, rates_from_trace
 from .replica import SpecPolicy
 from .router import ROUTERS
 from .simulator import Deployment, simulate
@@ -181,7 +181,7 @@ def traffic(args: argparse.Namespace) -> list[tuple[str, list[SimRequest]]]:
     elif args.dataset == "sharegpt":
         lengths = sharegpt_lengths(n, max_output=args.max_tokens)
     else:
-        from ..bench.prompts import load_mtbench
+        from ..data.prompts import load_mtbench
         from .workload import CHARS_PER_TOKEN
 
         try:

@@ -13,10 +13,10 @@ from itertools import islice
 
 import numpy as np
 
-from ..control.acceptance import DEFAULT_ESTIMATOR, make_estimator
+from ..control.acceptance_estimators import DEFAULT_ESTIMATOR, make_estimator
 from ..control.controller import Candidate, GoodputController, base_step, widen_lone_request
 from ..control.step_time import StepFeatures
-from .acceptance import AcceptanceModel, Outcome
+from .draft_outcomes import AcceptanceModel, Outcome
 from .batching import BatchScheduler, LiveRequest, Scheduled
 from .step_cost import StepCost
 from .workload import SimRequest
@@ -75,7 +75,7 @@ class Replica:
                            if policy.mode == "auto" else None)
         self.thresholds = None  # the confidence stop's acceptance-by-entropy table and cost ratio
         if policy.confidence_stop:
-            from ..spec.acceptance import AdaptiveThresholds  # (imports torch: only when used)
+            from ..verification.lossy import AdaptiveThresholds  # (imports torch: only when used)
 
             self.thresholds = AdaptiveThresholds.fresh()
         self.busy_until: float | None = None  # end of the step in flight

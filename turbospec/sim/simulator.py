@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .acceptance import AcceptanceModel
+from .draft_outcomes import AcceptanceModel
 from .metrics import RequestTimes, request_times, run_summary
 from .replica import Replica, SpecPolicy
 from .router import make_router

@@ -67,8 +67,8 @@ def load_profile(path: str | Path) -> StepTimeModel:
 
 
 def profile_for_key(key: dict[str, str]) -> Path:
-    """The cache file the engine would use for this profile key (control/profiler.py's naming)."""
-    from ..control.profiler import profile_path  # imports torch: only when a key is given
+    """The cache file the engine would use for this profile key (tuning/profiler.py's naming)."""
+    from ..tuning.profiler import profile_path  # imports torch: only when a key is given
 
     if not isinstance(key, dict) or "model" not in key or "dtype" not in key or "threads" not in key:
         raise ValueError("a profile key is a JSON object with at least model, dtype and threads "

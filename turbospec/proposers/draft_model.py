@@ -25,10 +25,10 @@ from ..models.tokenizer import Tokenizer
 from ..request import Request
 from ..runner import ModelRunner, SeqInput
 from ..sampler import SamplingBatch, processed_probs, sample
-from .acceptance import AdaptiveThresholds, entropy
+from ..verification.lossy import AdaptiveThresholds, entropy
 from .draft_vocab import DraftVocabulary
-from .policies import DRAFT_DISTRIBUTION_POLICIES, STOPS_DRAFTING
-from .proposer import Draft, Proposer
+from ..verification.policies import DRAFT_DISTRIBUTION_POLICIES, STOPS_DRAFTING
+from .base import Draft, Proposer
 
 _PROBE = "def greet(name):\n    return f'Hello, {name}!'  # naïve café ✓ 12345"
 
@@ -126,7 +126,7 @@ class DraftModelProposer(Proposer):
             for row, (i, tok) in enumerate(zip(live, sample(probs, batch).tolist())):
                 req = requests[i]
                 if soft is not None and req.acceptance in DRAFT_DISTRIBUTION_POLICIES:
-                    if req.acceptance in STOPS_DRAFTING:  # AdaSD's generation rule (spec/acceptance.py)
+                    if req.acceptance in STOPS_DRAFTING:  # AdaSD's generation rule (verification/lossy.py)
                         kept = self.thresholds.keep_drafting(ent[row], step, survival[i], expected[i])
                         if kept is None:  # stop where another draft token no longer pays (it is dropped)
                             limit[i] = step

@@ -60,7 +60,7 @@ def token_counts(tokenizer: Tokenizer, vocab_size: int) -> np.ndarray | None:
     if path.exists():
         counts = np.load(path)
     else:
-        from ..bench.prompts import load_sharegpt_answers
+        from ..data.prompts import load_sharegpt_answers
 
         try:
             answers = load_sharegpt_answers(CORPUS_CONVERSATIONS)

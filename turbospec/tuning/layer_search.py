@@ -33,13 +33,13 @@ from tqdm import tqdm
 
 from ..host import write_text_atomically
 from ..attention import AttentionMetadata, AttnGroup
-from ..control.profiler import profile_key, profile_path
-from ..determinism.calibrate import calibration_prompts
+from .profiler import profile_key, profile_path
+from .margin_calibration import calibration_prompts
 from ..kv.block_manager import BlockManager
 from ..kv.kv_cache import KVCache
 from ..runner import ModelRunner, SeqInput
 from ..sampling_params import SamplingParams
-from .layer_skip import SkippingModel, kept_layers
+from ..proposers.layer_skip import SkippingModel, kept_layers
 
 if TYPE_CHECKING:
     from ..engine import LLMEngine

@@ -24,8 +24,8 @@ import torch
 from ..request import Request
 from .eagle import EagleDraft, window_mask
 from .heads import DraftHeads
-from .proposer import Draft, Proposer
-from .tree import TokenTree
+from .base import Draft, Proposer
+from ..verification.tree import TokenTree
 
 Rows = list[tuple[int, int]]  # (request index, node index or -1 for the root) to expand at one depth
 

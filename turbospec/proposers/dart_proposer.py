@@ -18,7 +18,7 @@ import torch
 from ..request import Request
 from .dart import DartDraft, NgramScorer
 from .head_proposer import EagleProposer, Rows, _Node
-from .proposer import Draft
+from .base import Draft
 
 
 class DartProposer(EagleProposer):

@@ -22,8 +22,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ..request import Request
-from .proposer import Draft, Proposer
-from .tree import TokenTree
+from .base import Draft, Proposer
+from ..verification.tree import TokenTree
 
 
 @dataclass

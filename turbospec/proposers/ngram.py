@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..request import Request
-from .proposer import Draft, Proposer
+from .base import Draft, Proposer
 
 __all__ = ["NgramProposer", "ngram_propose"]
 

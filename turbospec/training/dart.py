@@ -1,6 +1,6 @@
 """Train the DART-style parallel draft (dart.py) on a trained EAGLE draft: ``turbospec train-head --method dart``.
 
-Data and features are EAGLE's (eagle_training.py). With the base's own data options the split is the base's, so
+Data and features are EAGLE's (training/eagle.py). With the base's own data options the split is the base's, so
 the held-out sequences are unseen by the base too; the report says whether the options matched
 (`held_out_unseen_by_base`), and a mismatch is warned about; `train_sequences` keeps only the first N training sequences
 (the target's features are most of the cost on a CPU without bf16 arithmetic). An example is a position t with
@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .dart import DartConfig, DartDraft, ngram_table
-from .eagle import EagleDraft
-from .eagle_training import WINDOW, FlatExamples, features_path, flat_examples, position_loss, target_features
-from .head_training import (
+from ..proposers.dart import DartConfig, DartDraft, ngram_table
+from ..proposers.eagle import EagleDraft
+from .eagle import WINDOW, FlatExamples, features_path, flat_examples, position_loss, target_features
+from .heads import (
     TrainHeadOptions,
     cached,
     data_description,
@@ -33,7 +33,7 @@ from .head_training import (
     vocab_remap,
     work_dir,
 )
-from .heads import file_sha256
+from ..proposers.heads import file_sha256
 
 if TYPE_CHECKING:
     from ..engine import LLMEngine

@@ -92,7 +92,7 @@ def verify(
     generator marks a greedy request. See the module docstring for the rule.
 
     ``relaxed`` (bool, one per draft position, flat over requests) marks positions a lossy acceptance policy
-    accepts whatever the exact rule says (spec/acceptance.py); the result is then no longer lossless.
+    accepts whatever the exact rule says (verification/lossy.py); the result is then no longer lossless.
     """
     _check_inputs(target_probs, row_start, draft_tokens, draft_probs, generators)
     device = target_probs.device

@@ -30,8 +30,8 @@ from .. import kernels
 from ..attention_choice import choice_summary
 from ..request import Request
 from ..sampling_params import SamplingParams
-from ..spec.proposer import Draft, Proposer
-from .step_time import StepSample, StepTimeModel
+from ..proposers.base import Draft, Proposer
+from ..control.step_time import StepSample, StepTimeModel
 
 if TYPE_CHECKING:
     from ..engine import LLMEngine

@@ -16,7 +16,7 @@ class SpecDecodingStats:
     num_draft_tokens_per_pos: list[int] = field(default_factory=list)
     # how often each draft length was verified, over every decoding request-step (k = 0 included)
     k_histogram: list[int] = field(default_factory=list)
-    # draft tokens kept only because a lossy acceptance policy relaxed the exact rule (spec/acceptance.py)
+    # draft tokens kept only because a lossy acceptance policy relaxed the exact rule (verification/lossy.py)
     num_relaxed_tokens: int = 0
 
     def observe_choice(self, k: int) -> None:

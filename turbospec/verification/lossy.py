@@ -1,6 +1,6 @@
 """Acceptance policies: which draft tokens the verifier keeps (``speculative_config={"acceptance": ...}``).
 
-- ``exact`` (default): rejection sampling (verifier.py). Lossless: output is distributed exactly as the target's.
+- ``exact`` (default): rejection sampling (chain.py). Lossless: output is distributed exactly as the target's.
 - ``typical`` (Medusa, lossy): also accept a draft token x when the target gives it
   ``p(x) > min(eps, delta * exp(-H(p)))``.
 - ``adasd-verification`` (lossy): also accept x when the Jensen-Shannon distance between the target's and the

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..request import Request
-from .tree import TokenTree
+from ..verification.tree import TokenTree
 
 
 @dataclass
@@ -17,13 +17,13 @@ class Draft:
     # [len(tokens), V]: the distribution each token was sampled from. None for deterministic proposers
     # (n-gram lookup, or greedy drafting): the verifier then treats q as one-hot at the token.
     probs: torch.Tensor | None = None
-    # For acceptance policies that read the draft's distribution (spec/acceptance.py): [len(tokens), V] rows
+    # For acceptance policies that read the draft's distribution (verification/lossy.py): [len(tokens), V] rows
     # (untempered softmax for greedy requests). entropies: the draft entropy (nats) at each token a stop rule
     # read (AdaSD's generation rule, the confidence stop), which verification feeds back into its table. None
     # when neither applies.
     soft_probs: torch.Tensor | None = None
     entropies: list[float] | None = None
-    # when the candidates branch: their tree, whose nodes in order are `tokens` (spec/tree.py); None for a chain
+    # when the candidates branch: their tree, whose nodes in order are `tokens` (verification/tree.py); None for a chain
     tree: TokenTree | None = None
 
 

@@ -1,6 +1,6 @@
 """Train the EAGLE-style draft (eagle.py) by self-distillation: ``turbospec train-head --method eagle``.
 
-The data (head_training.py): the target's own greedy answers to ShareGPT first turns, or ShareGPT's recorded
+The data (training/heads.py): the target's own greedy answers to ShareGPT first turns, or ShareGPT's recorded
 answers read teacher-forced (`--data conversations`: one forward per conversation instead of a generation, so
 several times more positions per CPU second). Features: for each position from `window` before the answer to its
 end, the outputs of the feature layers and the final hidden state, and the token the target would choose there
@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..runner import SeqInput
-from .eagle import EagleConfig, EagleDraft, default_feature_layers
-from .head_training import (
+from ..proposers.eagle import EagleConfig, EagleDraft, default_feature_layers
+from .heads import (
     IGNORE,
     PROMPT_SKIP,
     TrainHeadOptions,
@@ -36,7 +36,7 @@ from .head_training import (
     vocab_remap,
     work_dir,
 )
-from .heads import file_sha256
+from ..proposers.heads import file_sha256
 
 if TYPE_CHECKING:
     from ..engine import LLMEngine

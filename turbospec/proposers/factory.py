@@ -17,11 +17,11 @@ from .draft_vocab import DraftVocabulary, resolve_size
 from .eagle import EagleDraft
 from .head_proposer import EagleProposer, HeadProposer, TreeDrafter
 from .heads import DraftHeads, head_path, read_head_file
-from .layer_search import load_or_search
+from ..tuning.layer_search import load_or_search
 from .layer_skip import LayerSkipProposer
 from .lookahead import LookaheadProposer
 from .ngram import NgramProposer
-from .proposer import Proposer
+from .base import Proposer
 
 if TYPE_CHECKING:
     from ..engine import LLMEngine

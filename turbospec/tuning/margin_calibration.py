@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from ..host import write_text_atomically
-from ..control.profiler import profile_key, profile_path
+from .profiler import profile_key, profile_path
 from ..sampling_params import SamplingParams
-from .exact import gap_drift
+from ..determinism.exact import gap_drift
 
 if TYPE_CHECKING:
     from ..engine import LLMEngine
@@ -79,7 +79,7 @@ def calibration_path(engine: LLMEngine) -> Path:
 
 
 def calibration_prompts(n: int) -> tuple[list[str], str]:
-    from ..bench.prompts import load_sharegpt
+    from ..data.prompts import load_sharegpt
 
     try:
         prompts = [p.text for p in load_sharegpt(n, max_chars=600, skip=CALIBRATION_SKIP)]

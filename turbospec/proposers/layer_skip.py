@@ -10,7 +10,7 @@ No second model and no second KV cache. The draft runs the kept layers over the 
 So a draft step costs (kept layers / all layers) of a target step, with no catch-up prefill for new
 requests, and the verifier stays exact: output equals plain decoding.
 
-Which layers to skip comes from `search_skip_layers` (layer_search.py), cached per model.
+Which layers to skip comes from `search_skip_layers` (tuning/layer_search.py), cached per model.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from ..models.llama import CausalLM
 from ..request import Request
 from ..runner import ModelRunner
-from .acceptance import AdaptiveThresholds
+from ..verification.lossy import AdaptiveThresholds
 from .draft_model import DraftModelProposer
 
 

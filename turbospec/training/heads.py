@@ -37,7 +37,7 @@ from tqdm import tqdm
 from ..host import turbospec_home
 from ..runner import SeqInput
 from ..sampling_params import SamplingParams
-from .heads import DraftHeads, HeadConfig
+from ..proposers.heads import DraftHeads, HeadConfig
 
 if TYPE_CHECKING:
     from ..engine import LLMEngine
@@ -118,7 +118,7 @@ def data_description(opts: TrainHeadOptions, count: int) -> str:
 def conversation_sequences(engine: LLMEngine, opts: TrainHeadOptions) -> list[tuple[list[int], int]]:
     """ShareGPT first turns with the answers recorded in the data set, cut to `max_tokens` answer tokens: the
     target reads them teacher-forced, and what it would have chosen at each position is the label."""
-    from ..bench.prompts import load_sharegpt_exchanges
+    from ..data.prompts import load_sharegpt_exchanges
 
     pairs = load_sharegpt_exchanges(opts.num_prompts, PROMPT_SKIP, CONVERSATIONS_STOP, max_chars=1500,
                                     code_only=opts.code_only)
@@ -137,7 +137,7 @@ def conversation_sequences(engine: LLMEngine, opts: TrainHeadOptions) -> list[tu
 def distillation_answers(engine: LLMEngine, opts: TrainHeadOptions, progress: bool = True
                          ) -> list[tuple[list[int], int]]:
     """(prompt + answer ids, prompt length) per prompt; cached and resumable."""
-    from ..bench.prompts import load_sharegpt, load_sharegpt_exchanges
+    from ..data.prompts import load_sharegpt, load_sharegpt_exchanges
 
     code = "-code" if opts.code_only else ""
     path = work_dir(engine.config.model) / f"answers-{PROMPT_SKIP}-{opts.max_tokens}{code}.jsonl"

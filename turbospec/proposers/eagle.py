@@ -5,7 +5,7 @@ token the target chose there (the token at j + 1). The draft layer reads the ent
 positions, causally, and its output at the last one predicts the token after t_j (through the target's LM
 head on a draft vocabulary). To draft further, the output itself becomes the next entry's state, with the
 token just drafted (EAGLE feeds its own predicted features back; EAGLE-3 trains on exactly that, which
-``eagle_training.py`` does by unrolling).
+``training/eagle.py`` does by unrolling).
 - Features (EAGLE-3): the outputs of a low and a middle target layer and the final hidden state, fused by a
   low-rank projection added to the final hidden state.
 - The layer: [state; RMS-normalised token embedding] -> low-rank input projection (residual), multi-head

@@ -1,5 +1,5 @@
 """Names of the acceptance policies and what each needs (no torch import: config and the server read these).
-The policies themselves are in acceptance.py."""
+The policies themselves are in lossy.py."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""Data sets from PyPI packages and request arrival patterns: what benchmarks, training and calibration read."""
