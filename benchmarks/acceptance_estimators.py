@@ -32,8 +32,8 @@ from turbospec.control.acceptance_estimators import (
     AcceptanceEstimator, FirstPositionBeta, GlobalEMA, PositionBeta, RequestBeta, expected_tokens, make_estimator, outcome_probability,
 )
 
-OUT = Path("benchmarks/results/acceptance_estimators")
-TRACES = Path("benchmarks/results/acceptance_traces.json")
+OUT = Path("benchmarks/results/acceptance_estimators/acceptance_estimators")
+TRACES = Path("benchmarks/results/acceptance_estimators/acceptance_traces.json")
 
 # name -> factory; the decays are part of the choice, so more than one setting per family is scored
 CANDIDATES: dict[str, Any] = {
@@ -63,7 +63,7 @@ def log(msg: str) -> None:
 def record(target: str, spec: dict[str, Any], prompts: list[str], max_tokens: int, threads: int) -> list[list]:
     llm = LLM(target, speculative_config={**spec, "num_speculative_tokens": 8}, num_threads=threads,
               progress=False)
-    llm.engine.verify_trace = []
+    llm.engine.speculation.verify_trace = []
     tok = llm.get_tokenizer()
     ids = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)}
            for p in prompts]
@@ -71,7 +71,7 @@ def record(target: str, spec: dict[str, Any], prompts: list[str], max_tokens: in
     half = len(ids) // 2
     for chunk in (ids[:half], ids[half:]):
         llm.generate(chunk, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=True)
-    return [list(e) for e in llm.engine.verify_trace]
+    return [list(e) for e in llm.engine.speculation.verify_trace]
 
 
 def replay(trace: list[list], make: Any) -> dict[str, float]:
@@ -91,7 +91,7 @@ def markdown(report: dict[str, Any]) -> str:
         "# Acceptance estimators on recorded verification traces",
         "",
         f"`{report['command']}` on {report['machine']['cpu']}, {report['date']}. The traces are in",
-        "`benchmarks/results/acceptance_traces.json`; `--replay` scores them again without recording.",
+        f"`{TRACES}`; `--replay` scores them again without recording.",
         "",
         "Each trace is replayed in engine order. Before each verification, the estimator predicts the accepted",
         "count; then it sees the outcome. MAE is the mean absolute error of the predicted accepted count; NLL is",

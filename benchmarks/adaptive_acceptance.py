@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from harness import Partial, benchmark_meta, default_out, header_lines, hf_generate, load_hf, run_sets, save, stats
+from harness import warm_up
 from tqdm import tqdm
 
 from turbospec import LLM, SamplingParams
@@ -38,8 +38,6 @@ from turbospec.bench.humaneval import (
     check_completion,
     load_humaneval,
 )
-from turbospec.bench.machine import benchmark_meta, header_lines, save_results
-from turbospec.models.registry import pull
 
 POLICIES = ("typical", "adasd", "adasd-generation", "adasd-verification")
 ROWS = ("target", "draft", "vanilla", "hf-assisted", *POLICIES)
@@ -57,25 +55,20 @@ def run_turbospec(args: argparse.Namespace, row: str, model: str, spec: dict[str
                   tasks: list[HumanEvalTask], ids: list[list[int]]) -> dict[str, Any]:
     llm = LLM(model, dtype=args.dtype, num_threads=args.threads, max_model_len=args.max_model_len,
               speculative_config=spec, progress=False, enable_prefix_caching=False)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, stop=STOP)
-    llm.generate({"prompt_token_ids": ids[0]}, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
-    llm.engine.reset_spec_stats()
-    outputs, texts, seconds, relaxed = [], [], 0.0, 0
-    bar = tqdm(list(zip(tasks, ids)), desc=row, unit="task")
-    for task, p in bar:
-        start = time.perf_counter()
-        out = llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0]
-        seconds += time.perf_counter() - start
-        outputs.append(out.outputs[0].token_ids)
+    warm_up(llm, ids[0])
+    texts, relaxed = [], [0]
+
+    def keep(_row: str, _set: str, out: Any) -> None:
         texts.append(out.outputs[0].text)
-        relaxed += out.relaxed_tokens
-        bar.set_postfix(tok_s=f"{sum(map(len, outputs)) / seconds:.2f}")
-    stats = llm.spec_stats()
+        relaxed[0] += out.relaxed_tokens
+
+    s = run_sets({row: llm}, {"humaneval": ids}, SamplingParams(temperature=0, max_tokens=args.max_tokens, stop=STOP),
+                 on_output=keep)[row]["humaneval"]
+    thresholds = llm.spec_stats().get("adaptive_thresholds")
     del llm
     gc.collect()
-    return {"row": row, "engine": "turbospec", "outputs": outputs, "texts": texts, "seconds": seconds,
-            "relaxed_tokens": relaxed, "tau": stats.get("mean_accepted_length") or None,
-            "mean_k": stats.get("mean_k"), "adaptive_thresholds": stats.get("adaptive_thresholds")}
+    return {"row": row, "engine": "turbospec", "outputs": s["outputs"], "texts": texts, "seconds": s["seconds"],
+            "relaxed_tokens": relaxed[0], "tau": s["tau"], "mean_k": s["mean_k"], "adaptive_thresholds": thresholds}
 
 
 class _StopAtFence:
@@ -91,30 +84,19 @@ class _StopAtFence:
 
 
 def run_hf_assisted(args: argparse.Namespace, tasks: list[HumanEvalTask], ids: list[list[int]]) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM, StoppingCriteriaList
+    from transformers import StoppingCriteriaList
 
     from turbospec.models.loader import load_model
 
-    dtype = getattr(torch, args.dtype)
-
-    def load(name: str) -> Any:
-        path = pull(name, progress=False)
-        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
-
-    target, draft = load(args.target), load(args.draft)
+    target, draft = load_hf(args.target, args.dtype), load_hf(args.draft, args.dtype)
     tok = load_model(args.target, "bfloat16", progress=False).tokenizer
     eos = list(tok.eos_token_ids)
     outputs, texts, seconds = [], [], 0.0
     bar = tqdm(list(zip(tasks, ids)), desc="hf-assisted", unit="task")
     for task, p in bar:
-        x = torch.tensor([p])
-        start = time.perf_counter()
-        with torch.inference_mode():
-            gen = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.max_tokens,
-                                  do_sample=False, eos_token_id=eos, pad_token_id=eos[0], assistant_model=draft,
-                                  stopping_criteria=StoppingCriteriaList([_StopAtFence(tok, len(p))]))
-        seconds += time.perf_counter() - start
-        new = [t for t in gen[0, len(p):].tolist() if t not in eos]
+        new, took = hf_generate(target, p, args.max_tokens, eos, assistant_model=draft,
+                                stopping_criteria=StoppingCriteriaList([_StopAtFence(tok, len(p))]))
+        seconds += took
         text = tok.decode(new)
         cut = min((text.find(s) for s in STOP if s in text), default=-1)
         outputs.append(new)
@@ -134,13 +116,13 @@ def score(rows: list[dict[str, Any]], tasks: list[HumanEvalTask]) -> None:
         r["status"] = [res.status for res in results]
         r["pass_at_1"] = sum(r["passed"]) / len(tasks)
         r["tokens"] = sum(map(len, r["outputs"]))
-        r["tok_s"] = r["tokens"] / r["seconds"]
+        r["tok_s"] = stats.tok_s(r["tokens"], r["seconds"])
         r["network_isolated"] = all(res.isolated_network for res in results)
     by_row = {r["row"]: r for r in rows}
     target, vanilla = by_row.get("target"), by_row.get("vanilla")
     for r in rows:
         if target:
-            r["same_as_target"] = sum(a == b for a, b in zip(r["outputs"], target["outputs"])) / len(tasks)
+            r["same_as_target"] = stats.matches(r["outputs"], target["outputs"])
             r["speedup_vs_target"] = r["tok_s"] / target["tok_s"]
         if vanilla:
             r["speedup_vs_vanilla"] = r["tok_s"] / vanilla["tok_s"]
@@ -187,7 +169,7 @@ def main() -> None:
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--max-model-len", type=int, default=1536)
-    ap.add_argument("--out", default="benchmarks/results/adaptive_acceptance")
+    ap.add_argument("--out", default=str(default_out("adaptive_acceptance")))
     ap.add_argument("--resume", action="store_true", help="keep the rows a stopped run saved in OUT.partial.json")
     args = ap.parse_args()
     wanted = args.rows.split(",")
@@ -200,14 +182,13 @@ def main() -> None:
     tasks = load_humaneval(args.tasks)
     ids = prompt_ids(args.target, tasks)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_suffix(".partial.json")  # every finished row, so a crash loses at most one row
-    rows: list[dict[str, Any]] = json.loads(partial.read_text()) if args.resume and partial.exists() else []
+    partial = Partial(out, args.resume)  # every finished row, so a crash loses at most one row
+    rows = partial.rows
     done = {r["row"] for r in rows}
     for row in [r for r in ROWS if r in wanted and r not in done]:
         if row == "hf-assisted":
             rows.append(run_hf_assisted(args, tasks, ids))
-            partial.write_text(json.dumps(rows))
+            partial.save()
             continue
         model = args.draft if row == "draft" else args.target
         spec = None
@@ -215,13 +196,13 @@ def main() -> None:
             spec = {"method": "draft", "model": args.draft, "num_speculative_tokens": args.k,
                     "acceptance": "exact" if row == "vanilla" else row}
         rows.append(run_turbospec(args, row, model, spec, tasks, ids))
-        partial.write_text(json.dumps(rows))
+        partial.save()
     rows.sort(key=lambda r: ROWS.index(r["row"]))
     score(rows, tasks)
     meta = benchmark_meta(args.threads, target=args.target, draft=args.draft, dtype=args.dtype, k=args.k,
                           tasks=args.tasks, task_ids=[t.task_id for t in tasks], max_tokens=args.max_tokens,
                           network_isolated=all(r["network_isolated"] for r in rows))
-    save_results(out, meta, rows, markdown(meta, rows))
+    save(out, meta, rows, markdown(meta, rows))
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from proposer_zoo import DRAFTS, datasets, run_turbospec  # (benchmarks/: the script's directory)
+from harness import benchmark_meta, default_out, header_lines, save
 
-from turbospec.bench.machine import benchmark_meta, header_lines, save_results
 from turbospec.config import DRAFT_STOPS
 from turbospec.control.acceptance_estimators import ESTIMATORS
 
@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--out", default="benchmarks/results/adaptive_estimators")
+    ap.add_argument("--out", default=str(default_out("adaptive_estimators")))
     ap.set_defaults(dtype="bfloat16", weight_format="bf16", max_model_len=2048)  # (proposer_zoo's runner reads them)
     args = ap.parse_args()
     estimators = [e for e in args.estimators.split(",") if e]
@@ -73,7 +73,7 @@ def main() -> None:
     rows = run_turbospec(args, args.model, specs, datasets(args.model, args.prompts))
     meta = benchmark_meta(args.threads, model=args.model, draft=DRAFTS[args.model], k=args.k, prompts=args.prompts,
                           max_tokens=args.max_tokens)
-    save_results(Path(args.out), meta, rows, markdown(meta, rows))
+    save(Path(args.out), meta, rows, markdown(meta, rows))
 
 
 if __name__ == "__main__":

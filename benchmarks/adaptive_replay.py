@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from proposer_zoo import DRAFTS, datasets  # (benchmarks/: the script's directory)
 from tqdm import tqdm
+from harness import benchmark_meta, default_out, header_lines, save
 
 from turbospec import LLM, SamplingParams
-from turbospec.bench.machine import benchmark_meta, header_lines, save_results
 from turbospec.config import int_list
 from turbospec.control.acceptance_estimators import ESTIMATORS
 from turbospec.runner import SeqInput
@@ -50,7 +50,7 @@ def accepted_runs(llm: LLM, prompt: list[int], answer: list[int]) -> tuple[list[
     One teacher-forced forward of the draft over prompt + answer gives its choice at every position. Its cut
     vocabulary (proposers/draft_vocab.py) allows, besides the frequent tokens, every token of the request at the time
     of drafting: the prompt and answer[:p], not the tokens the chain reaches later."""
-    proposer = llm.engine.proposer
+    proposer = llm.engine.speculation.proposer
     runner, vocab = proposer.runner, proposer.vocab
     ids = prompt + answer[:-1]  # the row of position len(prompt) - 1 + p predicts answer[p]
     rid = "replay"
@@ -156,12 +156,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--profile", default=PROFILE, help="the step-time profile the replay's steps take")
-    ap.add_argument("--runs", default="benchmarks/results/adaptive_replay_runs.json",
+    ap.add_argument("--runs", default=str(default_out("adaptive_replay", "adaptive_replay_runs.json")),
                     help="recorded accepted runs: read if present, else recorded (needs the models) and written")
     ap.add_argument("--estimators", default=",".join(ESTIMATORS))
     ap.add_argument("--batches", type=lambda v: int_list("--batches", v), default=(1, 4, 8),
                     help="requests served at once (all queued at the start): 1 is the zoo's single stream")
-    ap.add_argument("--out", default="benchmarks/results/adaptive_replay")
+    ap.add_argument("--out", default=str(default_out("adaptive_replay")))
     args = ap.parse_args()
     estimators = [e for e in args.estimators.split(",") if e]
     if unknown := set(estimators) - set(ESTIMATORS):
@@ -184,7 +184,7 @@ def main() -> None:
                           max_tokens=args.max_tokens, profile=args.profile)
     md = markdown(meta, rows)
     print(md)
-    save_results(Path(args.out), meta, rows, md)
+    save(Path(args.out), meta, rows, md)
 
 
 if __name__ == "__main__":

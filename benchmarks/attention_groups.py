@@ -24,15 +24,14 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm import tqdm
+from harness import alternating, benchmark_meta, default_out, save
 
 from turbospec import attention_groups
 from turbospec.attention import build_metadata, paged_attention
-from turbospec.bench.machine import benchmark_meta, save_results
 from turbospec.bench.timing import decode_step_ms
 from turbospec.config import EngineConfig
 from turbospec.engine import LLMEngine
 
-OUT = Path(__file__).resolve().parent / "results" / "attention_groups"
 COMPOSITIONS = {  # name -> context lengths of the decoding requests
     "16 x 500": [500] * 16,
     "16 mixed 50-950": [50 + 60 * i for i in range(16)],
@@ -75,7 +74,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3, help="alternations of planned / one group per composition")
     p.add_argument("--steps", type=int, default=10, help="decode steps measured per composition and round")
-    p.add_argument("--out", default=str(OUT))
+    p.add_argument("--out", default=str(default_out("attention_groups")))
     args = p.parse_args()
     engine = LLMEngine(EngineConfig(args.model, num_threads=args.threads, weight_format="bf16"), progress=False)
     kernel = kernel_cost(engine, repeats=5)
@@ -85,9 +84,9 @@ def main() -> int:
     rng = random.Random(0)
     results: dict[str, dict[str, list[float]]] = {n: {"planned": [], "one group": []} for n in COMPOSITIONS}
     bar = tqdm(total=args.rounds * len(COMPOSITIONS) * 2, desc="decode steps", unit="run")
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
         for name, contexts in COMPOSITIONS.items():
-            for mode, brk in (("planned", planned_break), ("one group", sys.maxsize)):
+            for mode, brk in alternating((("planned", planned_break), ("one group", sys.maxsize)), round_):
                 attention_groups.GROUP_BREAK_SLOTS = brk
                 results[name][mode].append(decode_step_ms(engine, contexts, rng, args.steps))
                 bar.update(1)
@@ -116,7 +115,7 @@ def main() -> int:
         *[f"| {r['composition']} | {r['groups']} | {r['slots_planned']} / {r['slots_one_group']} / "
           f"{r['slots_needed']} | {r['planned_ms']:.1f} | {r['one_group_ms']:.1f} | {r['speedup']:.2f}x |"
           for r in rows], ""])
-    save_results(Path(args.out), meta, rows, table)
+    save(Path(args.out), meta, rows, table)
     return 0
 
 

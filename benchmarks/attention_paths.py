@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from int8_kernel_ab import median_ms  # (benchmarks/: the script's directory)
 from tqdm import tqdm
+from harness import alternating, benchmark_meta, default_out, header_lines, save
 
 from turbospec import LLM, SamplingParams, attention_choice
 from turbospec.attention_matmul import grouped_matmul_attention
-from turbospec.bench.machine import benchmark_meta, header_lines, save_results
 from turbospec.models.model_config import ModelConfig
 from turbospec.models.registry import pull
 
@@ -75,7 +75,7 @@ def step_rows(args: argparse.Namespace, model: str, llm: LLM) -> list[dict[str, 
             engine.step()
         times: dict[tuple[str, int], list[float]] = {(v, k): [] for v in VARIANTS for k in (0, args.tree_nodes)}
         for round_ in tqdm(range(args.rounds), desc=f"{model} steps at {context} tokens", unit="round"):
-            for variant, k in (list(times) if round_ % 2 == 0 else list(times)[::-1]):
+            for variant, k in alternating(list(times), round_):
                 _use(variant)
                 engine.set_speculation(k)
                 engine.step()  # unrecorded: the first step at a new k or kernel
@@ -105,7 +105,7 @@ def generate_rows(args: argparse.Namespace, model: str, llm: LLM) -> list[dict[s
         seconds, tokens = dict.fromkeys(VARIANTS, 0.0), dict.fromkeys(VARIANTS, 0)
         outputs: dict[str, list[list[int]]] = {v: [] for v in VARIANTS}
         for i, ids in enumerate(tqdm(prompts, desc=f"{model} plain {name}", unit="prompt")):
-            first, second = VARIANTS if i % 2 == 0 else VARIANTS[::-1]
+            first, second = alternating(VARIANTS, i)
             for turn, variant in enumerate((first, second, second, first)):
                 _use(variant)
                 start = time.perf_counter()
@@ -187,7 +187,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--out", default="benchmarks/results/attention_paths")
+    ap.add_argument("--out", default=str(default_out("attention_paths")))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows: list[dict[str, Any]] = []
@@ -196,7 +196,7 @@ def main() -> None:
         rows += model_rows(args, model)
     meta = benchmark_meta(args.threads, prompts=args.prompts, max_tokens=args.max_tokens, tree_nodes=args.tree_nodes,
                           spec_row=args.spec_row, rounds=args.rounds, steps=args.steps)
-    save_results(Path(args.out), meta, rows, markdown(meta, rows))
+    save(Path(args.out), meta, rows, markdown(meta, rows))
 
 
 if __name__ == "__main__":

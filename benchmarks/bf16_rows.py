@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from harness import alternating, benchmark_meta, default_out, header_lines, save
 
 MODEL = "qwen2.5-coder-1.5b"
 SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960), (151936, 1536)]  # qkv, o, gate|up, down, head
@@ -90,7 +91,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
         result["prefill_ms"].append((time.perf_counter() - start) * 1e3)
         result["prompt_tokens"].append(len(ids))
-        for v in variants if i % 2 == 0 else variants[::-1]:
+        for v in alternating(variants, i):
             engine.set_speculation(v)
             engine.reset_spec_stats()
             start = time.perf_counter()
@@ -107,7 +108,6 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def markdown(meta: dict[str, Any], ops: list[dict[str, Any]], runs: list[dict[str, Any]]) -> str:
-    from turbospec.bench.machine import header_lines  # here: the --worker processes need none of turbospec
 
     lines = ["# Our bf16 matmul (kernels/bf16_rows.cpp) against torch's", "",
              *header_lines(meta), "",
@@ -151,13 +151,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--out", default="benchmarks/results/bf16_rows")
+    ap.add_argument("--out", default=str(default_out("bf16_rows")))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print("RESULT " + json.dumps(worker(args)))
         return
-    from turbospec.bench.machine import benchmark_meta, save_results
 
     torch.set_num_threads(args.threads)
     from turbospec import kernels
@@ -167,7 +166,7 @@ def main() -> None:
     runs = []
     for round_ in range(args.rounds):
         modes = ("ours", "torch") + (("avx2",) if dpbf16 else ())
-        for mode in modes if round_ % 2 == 0 else modes[::-1]:
+        for mode in alternating(modes, round_):
             env = {**os.environ, "TURBOSPEC_NO_BF16_ROWS": "1" if mode == "torch" else "0"}
             env.pop("TURBOSPEC_NO_DPBF16", None)
             if mode == "avx2":
@@ -178,7 +177,7 @@ def main() -> None:
             line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
             runs.append({"round": round_, **json.loads(line.removeprefix("RESULT "))})
     meta = benchmark_meta(args.threads, model=MODEL, prompts=args.prompts, tokens=args.tokens)
-    save_results(Path(args.out), meta, [{"operator": ops}, *runs], markdown(meta, ops, runs))
+    save(Path(args.out), meta, [{"operator": ops}, *runs], markdown(meta, ops, runs))
 
 
 if __name__ == "__main__":

@@ -10,13 +10,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from harness import benchmark_meta, default_out, header_lines, save, table
 
 from turbospec.attention_matmul import grouped_matmul_attention
 
@@ -33,7 +33,7 @@ def timed(fn, reps: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--out", default="benchmarks/results/cpu_kernels")
+    ap.add_argument("--out", default=str(default_out("cpu_kernels")))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     res: dict[str, float] = {}
@@ -66,15 +66,10 @@ def main() -> None:
     res["kv_gather_advanced_index_ms"] = 1e3 * timed(lambda: cache[slots], 50)
     res["kv_gather_index_select_ms"] = 1e3 * timed(lambda: cache.index_select(0, slots.reshape(-1)), 50)
 
-    meta = {"command": "benchmarks/cpu_kernels.py", "threads": args.threads, "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": res}, indent=1))
-    lines = ["# CPU kernel micro-benchmarks", "", f"- {meta}", "", "| measurement | value |", "|---|---|"]
-    lines += [f"| {k} | {v:.2f} |" for k, v in res.items()]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    meta = benchmark_meta(args.threads)
+    lines = ["# CPU kernel micro-benchmarks", "", *header_lines(meta), "",
+             *table(["measurement", "value"], [[k, f"{v:.2f}"] for k, v in res.items()])]
+    save(Path(args.out), meta, [res], "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -17,18 +17,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from harness import benchmark_meta, default_out, header_lines, run_sets, save, stats  # noqa: E402
 from proposer_zoo import datasets  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
 from turbospec import LLM, SamplingParams  # noqa: E402
-from turbospec.bench.machine import benchmark_meta, header_lines, save_results  # noqa: E402
 
 
 def main() -> None:
@@ -38,7 +36,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--weights", default="0,0.25,0.5,1.0")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--out", default="benchmarks/results/dart_ngram")
+    ap.add_argument("--out", default=str(default_out("dart_ngram")))
     args = ap.parse_args()
     data = datasets(args.model, args.prompts)
     llm = LLM(args.model, dtype="float32", num_threads=args.threads, max_model_len=1024, progress=False,
@@ -50,25 +48,19 @@ def main() -> None:
                                                                    use_tqdm=False)]
             for name, prompts in data.items()}
     rows: list[dict[str, Any]] = []
-    proposer = llm.engine.proposer
+    proposer = llm.engine.speculation.proposer
     variants = [(float(w), False) for w in args.weights.split(",")] + [(proposer.ngram_weight, True)]
     for weight, zero_masks in variants:
         proposer.ngram_weight = weight
         if zero_masks:
             with torch.no_grad():
                 proposer.dart.mask.zero_()
-        row: dict[str, Any] = {"ngram_weight": weight, "zero_masks": zero_masks, "sets": {}}
-        for name, prompts in data.items():
-            llm.engine.reset_spec_stats()
-            outputs, start = [], time.perf_counter()
-            for ids in tqdm(prompts, desc=f"weight {weight} {name}", unit="prompt"):
-                outputs.append(llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids)
-            seconds = time.perf_counter() - start
-            stats = llm.spec_stats()
-            row["sets"][name] = {"tau": stats["mean_accepted_length"], "tok_s": sum(map(len, outputs)) / seconds,
-                                 "acceptance_by_position": stats["acceptance_by_position"],
-                                 "equals_plain": outputs == want[name]}
-        rows.append(row)
+        sets = run_sets({f"weight {weight}": llm}, data, params)[f"weight {weight}"]
+        rows.append({"ngram_weight": weight, "zero_masks": zero_masks,
+                     "sets": {name: {"tau": s["tau"] or 0.0, "tok_s": stats.tok_s(s["tokens"], s["seconds"]),
+                                     "acceptance_by_position": s["acceptance_by_position"],
+                                     "equals_plain": s["outputs"] == want[name]}
+                              for name, s in sets.items()}})
     meta = benchmark_meta(args.threads, model=args.model, prompts=args.prompts, max_tokens=args.max_tokens)
     lines = ["# DART's n-gram term: tau by n-gram weight (the committed draft, same prompts)", "",
              *header_lines(meta),
@@ -85,7 +77,7 @@ def main() -> None:
         same = all(s["equals_plain"] for s in row["sets"].values())
         label = f"{row['ngram_weight']}{', mask offsets zeroed' if row['zero_masks'] else ''}"
         lines.append(f"| {label} | {' | '.join(cells)} | {'yes' if same else 'no'} |")
-    save_results(Path(args.out), meta, rows, "\n".join(lines) + "\n")
+    save(Path(args.out), meta, rows, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

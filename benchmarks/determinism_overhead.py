@@ -93,7 +93,7 @@ def main() -> int:
     p.add_argument("--trials", type=int, default=4, help="needle trials per mode and data set")
     p.add_argument("--trial-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--output", default="benchmarks/results/determinism_overhead")
+    p.add_argument("--output", default="benchmarks/results/determinism_overhead/determinism_overhead")
     p.add_argument("--append", action="store_true", help="add rows to the output's JSON instead of replacing it")
     args = p.parse_args()
     modes: list[str | None] = [None, *args.modes.split(",")]

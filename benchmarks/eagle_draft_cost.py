@@ -21,11 +21,11 @@ from statistics import mean
 from typing import Any
 
 from tqdm import tqdm
+from harness import alternating, benchmark_meta, default_out, header_lines, save
 
 from turbospec import LLM, SamplingParams
 from turbospec.bench.eagle_reference import RecomputingEagleProposer
 from turbospec.bench.humaneval import answer_prefix, chat_messages, load_humaneval
-from turbospec.bench.machine import benchmark_meta, header_lines, save_results
 from turbospec.proposers.head_proposer import EagleProposer
 
 PROPOSERS = ("kept entries", "recomputed")
@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--nodes", default="1,2,4,8", help="tree sizes (fixed k), comma-separated")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--out", default="benchmarks/results/eagle_draft_cost")
+    ap.add_argument("--out", default=str(default_out("eagle_draft_cost")))
     args = ap.parse_args()
     nodes = [int(n) for n in args.nodes.split(",")]
 
@@ -63,7 +63,7 @@ def main() -> None:
               speculative_config={"method": "eagle", "num_speculative_tokens": max(nodes)}, progress=False,
               enable_prefix_caching=False)
     engine = llm.engine
-    ours = engine.proposer
+    ours = engine.speculation.proposer
     assert isinstance(ours, EagleProposer)
     proposers = {"kept entries": ours,
                  "recomputed": RecomputingEagleProposer(ours.draft, ours.branch, ours.beam, ours.depth)}
@@ -78,8 +78,8 @@ def main() -> None:
     for ids in tqdm(prompts, desc="prompts", unit="prompt"):
         for k in nodes:
             engine.set_speculation(k)
-            for name in (PROPOSERS if turn % 2 == 0 else PROPOSERS[::-1]):
-                engine.proposer = proposers[name]
+            for name in alternating(PROPOSERS, turn):
+                engine.speculation.proposer = proposers[name]
                 draft, target, tokens = run_prompt(llm, ids, args.max_tokens)
                 cell = seconds[(k, name)]
                 cell["draft"] += draft
@@ -96,7 +96,7 @@ def main() -> None:
         rows.append(row)
     meta = benchmark_meta(args.threads, model=args.model, prompts=args.prompts, max_tokens=args.max_tokens,
                           depth=ours.depth)
-    save_results(Path(args.out), meta, rows, markdown(meta, rows))
+    save(Path(args.out), meta, rows, markdown(meta, rows))
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:

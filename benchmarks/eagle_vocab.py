@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 from proposer_zoo import datasets  # (benchmarks/: the script's directory)
+from harness import benchmark_meta, default_out, header_lines, save
 
 from turbospec import LLM, SamplingParams
-from turbospec.bench.machine import benchmark_meta, header_lines, save_results
 from turbospec.proposers.eagle import EagleDraft
 from turbospec.training.eagle import WINDOW, FlatExamples, flat_examples, heldout_accuracy, target_features
 from turbospec.training.heads import vocab_remap
@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=10, help="per data set")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--out", default="benchmarks/results/eagle_vocab")
+    ap.add_argument("--out", default=str(default_out("eagle_vocab")))
     args = ap.parse_args()
     path = Path(args.heads) if args.heads else head_path(args.model, "eagle")
     try:
@@ -97,9 +97,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     meta = benchmark_meta(args.threads, model=args.model, heads=str(path), heads_sha256=file_sha256(path),
                           prompts=args.prompts, max_tokens=args.max_tokens)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_results(out, meta, rows, markdown(meta, rows))
+    save(Path(args.out), meta, rows, markdown(meta, rows))
 
 
 if __name__ == "__main__":

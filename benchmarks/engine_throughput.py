@@ -8,7 +8,7 @@ Measures, in one run:
   3. the memory-bandwidth bound on single-stream decode: measured read bandwidth / weight bytes per step.
 
 Writes ``<out>.json`` (raw numbers and metadata) and ``<out>.md`` (summary table); ``--out`` sets the stem
-(default benchmarks/results/engine_throughput).
+(default benchmarks/results/engine_throughput/engine_throughput).
 
 Full run (on a quiet machine):  .venv/bin/python benchmarks/engine_throughput.py
 Smoke test:  .venv/bin/python benchmarks/engine_throughput.py --models smollm2-135m --dtypes float32 \
@@ -45,7 +45,7 @@ from turbospec.models.registry import gguf_path  # noqa: E402
 MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
 DTYPES = ("bfloat16", "float32")
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "engine_throughput"
+DEFAULT_OUT = REPO / "benchmarks" / "results" / "engine_throughput" / "engine_throughput"
 GB = 1e9
 
 

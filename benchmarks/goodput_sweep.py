@@ -205,7 +205,7 @@ def run_poisson(engine: Any, prompts: list[list[int]], arrival_times: list[float
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     order = sorted(range(len(prompts)), key=lambda i: arrival_times[i])
     records: dict[str, RequestRecord] = {}
-    history = engine.controller_history
+    history = engine.speculation.history
     seen = len(history)
     clock = VirtualClock()
     nxt = 0
@@ -245,7 +245,7 @@ class RunResult:
 def run_policy(engine: Any, policy: str, prompts: list[list[int]], arrivals: list[float],
                max_tokens: int) -> RunResult:
     apply_policy(engine, policy)
-    engine.reset_spec_stats()  # also clears engine.controller_history
+    engine.reset_spec_stats()  # also clears engine.speculation.history
     recorded: list[dict[str, Any]] = []
     start = time.perf_counter()
     requests = run_poisson(engine, prompts, arrivals, max_tokens, recorded)
@@ -670,7 +670,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="run the distribution- and load-change scenarios on workload a")
     ap.add_argument("--scenario-rate", type=float, default=None, help="req/s; default: the middle rate of a")
     ap.add_argument("--scenario-requests", type=int, default=8, help="requests per scenario phase")
-    ap.add_argument("--out", default="benchmarks/results/goodput_sweep")
+    ap.add_argument("--out", default="benchmarks/results/goodput_sweep/goodput_sweep")
     ap.add_argument("--repeats", type=int, default=1, help="runs per (rate, policy), interleaved; rows average them")
     ap.add_argument("--replot", action="store_true", help="rewrite <out>.md and plots from <out>.json only")
     args = ap.parse_args(argv)
@@ -730,7 +730,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"rates {','.join(f'{r:g}' for r in sorted(w.rates))}")
         llm = build_llm(w, args)
         warm_up(llm.engine, chat_ids(llm, w.prompts[:1])[0])
-        llm.engine.record_history = True
+        llm.engine.speculation.record_history = True
         rows += sweep(w, llm, args.policies, args.seed, args.repeats)
         if args.scenarios and w.name == "a":
             scenarios = run_scenarios(args, w, llm)

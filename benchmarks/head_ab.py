@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from proposer_zoo import after_first_lines, datasets, run_turbospec, summarise  # (benchmarks/: the script's directory)
+from harness import benchmark_meta, default_out, header_lines, save
 
-from turbospec.bench.machine import benchmark_meta, header_lines, save_results
 from turbospec.proposers.heads import file_sha256, read_head_file
 
 SETS = ("mt-bench", "humaneval")
@@ -81,7 +81,7 @@ def main() -> None:
     ap.add_argument("--tree-nodes", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--out", default="benchmarks/results/head_ab")
+    ap.add_argument("--out", default=str(default_out("head_ab")))
     ap.set_defaults(dtype="bfloat16", weight_format="bf16", max_model_len=1024)  # (proposer_zoo's runner reads them)
     args = ap.parse_args()
     paths = [Path(p) for p in args.heads.split(",") if p]
@@ -105,9 +105,7 @@ def main() -> None:
     meta = benchmark_meta(args.threads, model=args.model, method=args.method, tree_nodes=args.tree_nodes,
                           max_tokens=args.max_tokens, prompts=args.prompts,
                           heads=dict(zip(names, shas)), training=dict(zip(names, reports)))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_results(out, meta, rows, markdown(meta, rows))
+    save(Path(args.out), meta, rows, markdown(meta, rows))
 
 
 if __name__ == "__main__":

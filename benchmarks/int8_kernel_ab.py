@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness import alternating, benchmark_meta, default_out, header_lines, save
+
 SOURCE = Path("turbospec/kernels/grouped_int8.cpp")
 SHAPES = [(151936, 1536), (1536, 8960), (256, 1536)]  # LM head, down projection, a v projection's int8 rows
 ROWS = (1, 2, 4, 5, 8)
@@ -75,7 +77,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--steps", type=int, default=24, help="decode steps timed per round")
-    ap.add_argument("--out", default="benchmarks/results/int8_kernel_ab")
+    ap.add_argument("--out", default=str(default_out("int8_kernel_ab")))
     ap.add_argument("--worker", metavar="SOURCE", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -87,30 +89,27 @@ def main() -> None:
     variants = {f"baseline ({args.baseline})": str(tmp), "current": str(SOURCE.resolve())}
     results: dict[str, list[dict]] = {name: [] for name in variants}
     for r in range(args.rounds):
-        for name, source in variants.items():
+        for name in alternating(list(variants), r):
+            source = variants[name]
             out = subprocess.run([sys.executable, __file__, "--worker", source, "--threads", str(args.threads),
                                   "--steps", str(args.steps)], capture_output=True, text=True, check=True)
             results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"round {r} {name}: decode step {results[name][-1]['decode_step_ms']:.1f} ms", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    meta = {"command": "benchmarks/int8_kernel_ab.py " + " ".join(sys.argv[1:]), "threads": args.threads,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit, "model": MODEL}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out + ".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    meta = benchmark_meta(args.threads, model=MODEL, baseline=args.baseline, rounds=args.rounds)
     base, cur = results.values()
 
     def med(runs: list[dict], key: str) -> float:
         return statistics.median(run["op_ms"][key] if key != "decode" else run["decode_step_ms"] for run in runs)
 
-    lines = ["# Grouped int8 kernel: A/B against an earlier version, alternating processes", "", f"- {meta}",
-             f"- medians over {args.rounds} alternating rounds; op times are each round's median of repeated calls",
+    lines = ["# Grouped int8 kernel: A/B against an earlier version, alternating processes", "", *header_lines(meta),
+             f"- medians over {args.rounds} alternating rounds (the order reversed every round); op times are each "
+             "round's median of repeated calls",
              "", "| measurement | baseline ms | current ms | baseline / current |", "|---|---|---|---|"]
     for key in [*base[0]["op_ms"], "decode"]:
         b, c = med(base, key), med(cur, key)
         label = key if key != "decode" else f"{MODEL} plain decode step (engine, auto weights)"
         lines.append(f"| {label} | {b:.2f} | {c:.2f} | {b / c:.2f}x |")
-    Path(args.out + ".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save(Path(args.out), meta, [results], "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from harness import alternating, benchmark_meta, default_out, save
 
 BEFORE = "ef1df71"  # the last commit whose scorer ran every position
 
@@ -50,10 +51,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="turns of each scorer per skipped set")
-    parser.add_argument("--out", default="benchmarks/results/layer_search")
+    parser.add_argument("--out", default=str(default_out("layer_search")))
     args = parser.parse_args()
 
-    from turbospec.bench.machine import benchmark_meta, save_results
     from turbospec.config import EngineConfig
     from turbospec.engine import LLMEngine
     from turbospec.spec import layer_search
@@ -72,7 +72,7 @@ def main() -> None:
         times: dict[str, list[float]] = {"before": [], "now": []}
         agreements: dict[str, set[float]] = {"before": set(), "now": set()}
         for round_ in range(args.rounds):
-            for name in ("before", "now") if round_ % 2 == 0 else ("now", "before"):
+            for name in alternating(("before", "now"), round_):
                 start = time.perf_counter()
                 agreements[name].add(scorers[name].agreement(skip))
                 times[name].append(time.perf_counter() - start)
@@ -94,7 +94,7 @@ def main() -> None:
               "expected_speedup": plan.expected_speedup}
     meta = benchmark_meta(args.threads, model=args.model, dtype=args.dtype, prompts=len(sequences), answer_tokens=48,
                           positions=positions, before=BEFORE)
-    save_results(Path(args.out), meta, [*rows, {"search": search}], markdown(meta, rows, search))
+    save(Path(args.out), meta, [*rows, {"search": search}], markdown(meta, rows, search))
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], search: dict[str, Any]) -> str:

@@ -28,6 +28,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "tests"))
 
+from harness import benchmark_meta, default_out, save  # noqa: E402
 from test_weight_formats import random_blocks  # noqa: E402  (valid random GGUF blocks)
 
 from turbospec import kernels  # noqa: E402
@@ -59,13 +60,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(ROOT / "results" / "packed_kernels"))
+    ap.add_argument("--out", default=str(default_out("packed_kernels")))
     args = ap.parse_args()
     path = kernels.records_path()
     if not path:
         sys.exit("packed_kernels.py: this CPU (or build) runs neither the AMX nor the AVX512-BF16 records kernel; "
                  "nothing to compare")
-    from turbospec.bench.machine import benchmark_meta, save_results
 
     torch.set_num_threads(args.threads)
     flush = torch.ones(2**27)
@@ -96,7 +96,7 @@ def main() -> None:
                        f"{row['no_amx_ms']:.2f} ms, "
                        f"dense bf16 {row['dense_bf16_ms']:.2f} ms")
     meta = benchmark_meta(args.threads, repeats=args.repeats, records_path=path, read_gb_per_s=bandwidth)
-    save_results(Path(args.out), meta, rows_out, markdown(meta, rows_out))
+    save(Path(args.out), meta, rows_out, markdown(meta, rows_out))
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:

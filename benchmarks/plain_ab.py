@@ -7,16 +7,15 @@ machine noise between runs cannot decide the comparison. Tokens/s include prefil
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
 
 import torch
+from harness import alternating, benchmark_meta, default_out, header_lines, load_hf, save, table
 
 from turbospec import LLM, SamplingParams
 from turbospec.data.prompts import load_prompts
-from turbospec.models.registry import gguf_path
 
 
 def main() -> None:
@@ -26,17 +25,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--out", default="benchmarks/results/plain_ab")
+    ap.add_argument("--out", default=str(default_out("plain_ab")))
     args = ap.parse_args()
-    from transformers import AutoModelForCausalLM
-
     llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, progress=False, max_model_len=1024,
               enable_prefix_caching=False)
     prompt, _ = load_prompts(1, "humaneval")
     ids = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": prompt[0].text}])
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-    path = gguf_path(args.model)
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=getattr(torch, args.dtype))
+    hf = load_hf(args.model, args.dtype)
     x = torch.tensor([ids])
 
     def ours() -> float:
@@ -51,21 +47,21 @@ def main() -> None:
                         min_new_tokens=args.tokens, do_sample=False)
         return args.tokens / (time.perf_counter() - start)
 
+    engines = {"turbospec_tok_s": ours, "hf_tok_s": theirs}
     ours(), theirs()  # warm-up
-    rounds = [{"turbospec_tok_s": ours(), "hf_tok_s": theirs()} for _ in range(args.rounds)]
-    for r in rounds:
-        print(f"turbospec {r['turbospec_tok_s']:.2f} tok/s, HF {r['hf_tok_s']:.2f} tok/s", flush=True)
-    meta = {"command": f"benchmarks/plain_ab.py --model {args.model} --dtype {args.dtype}", "threads": args.threads,
-            "prompt_tokens": len(ids), "new_tokens": args.tokens, "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rounds": rounds}, indent=1))
-    lines = ["# Plain decoding A/B, alternating in one process", "", f"- {meta}", "",
-             "| round | turbospec tok/s | HF tok/s | ratio |", "|---|---|---|---|"]
-    lines += [f"| {i} | {r['turbospec_tok_s']:.2f} | {r['hf_tok_s']:.2f} | {r['turbospec_tok_s'] / r['hf_tok_s']:.2f} |"
-              for i, r in enumerate(rounds)]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    rounds = []
+    for i in range(args.rounds):  # A/B, then B/A: neither always runs first
+        rounds.append({key: engines[key]() for key in alternating(list(engines), i)})
+        print(f"turbospec {rounds[-1]['turbospec_tok_s']:.2f} tok/s, HF {rounds[-1]['hf_tok_s']:.2f} tok/s", flush=True)
+    meta = benchmark_meta(args.threads, model=args.model, dtype=args.dtype, prompt_tokens=len(ids),
+                          new_tokens=args.tokens)
+    lines = ["# Plain decoding A/B, alternating in one process", "", *header_lines(meta),
+             f"- {args.model} {args.dtype}, one HumanEval prompt ({len(ids)} tokens), {args.tokens} new tokens "
+             "(EOS ignored), greedy; tok/s include prefill", "",
+             *table(["round", "turbospec tok/s", "HF tok/s", "ratio"],
+                    [[i, f"{r['turbospec_tok_s']:.2f}", f"{r['hf_tok_s']:.2f}",
+                      f"{r['turbospec_tok_s'] / r['hf_tok_s']:.2f}"] for i, r in enumerate(rounds)])]
+    save(Path(args.out), meta, rounds, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ price of a batch-1 step with k verified nodes over a decode, and what the adapti
 (always measured on the quiet machine): tokens/s, tau, mean k. Plain and fixed-k rows on the same engine are the
 reference, measured before and after the adaptive ones.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/profile_disturbance.py --out benchmarks/results/profile_disturbance
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/profile_disturbance.py
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
+from harness import benchmark_meta, default_out, header_lines, save
 
 from turbospec import LLM, SamplingParams
 from turbospec.bench.humaneval import answer_prefix, load_humaneval
 from turbospec.bench.humaneval import chat_messages as humaneval_messages
-from turbospec.bench.machine import benchmark_meta, header_lines, save_results
 from turbospec.tuning import profiler
 from turbospec.control.step_time import StepFeatures, StepSample, StepTimeModel
 
@@ -110,7 +110,7 @@ def main() -> None:
     ap.add_argument("--max-k", type=int, default=8)
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--out", default="benchmarks/results/profile_disturbance")
+    ap.add_argument("--out", default=str(default_out("profile_disturbance")))
     args = ap.parse_args()
     llm = LLM(args.model, dtype="bfloat16", weight_format="bf16", max_model_len=1024, progress=False,
               enable_prefix_caching=False,
@@ -121,7 +121,7 @@ def main() -> None:
     run_humaneval(llm, prompts[:1], 0, 4)  # warm-up
     reference = [run_humaneval(llm, prompts, mode, args.max_tokens) for mode in (0, args.max_k)]
     key = profiler.profile_key(llm.engine)
-    levels = llm.engine.proposer.tree_levels
+    levels = llm.engine.speculation.proposer.tree_levels
     ks = range(0, args.max_k + 1, 2)
     arms = []
     original_load = profiler.load_or_profile
@@ -132,7 +132,7 @@ def main() -> None:
                 model = StepTimeModel.fit(samples, key)
                 prices = batch1_prices(model, levels, ks)  # before serving refits its level online
                 profiler.load_or_profile = lambda engine, progress=True, m=model: m
-                llm.engine.controller = None  # a fresh controller (and estimator) on this fit
+                llm.engine.speculation.controller = None  # a fresh controller (and estimator) on this fit
                 adaptive = run_humaneval(llm, prompts, "auto", args.max_tokens)
                 arms.append({"condition": condition, "fit": fit, "recorded": len(everything), "kept": len(samples),
                              "prices": prices, "adaptive": adaptive})
@@ -142,7 +142,7 @@ def main() -> None:
     meta = benchmark_meta(torch.get_num_threads(), model=args.model, method=args.method, max_k=args.max_k,
                           prompts=args.prompts, max_tokens=args.max_tokens)
     result = {"ks": list(ks), "arms": arms, "reference": reference}
-    save_results(Path(args.out), meta, [result], markdown(meta, result))
+    save(Path(args.out), meta, [result], markdown(meta, result))
 
 
 if __name__ == "__main__":

@@ -27,21 +27,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
-import torch
-from tqdm import tqdm
+from harness import Partial, benchmark_meta, default_out, header_lines, hf_run_set, load_hf, run_sets, save, stats
+from harness import warm_up
 
 from turbospec import LLM, SamplingParams
 from turbospec.bench.humaneval import answer_prefix, load_humaneval
 from turbospec.bench.humaneval import chat_messages as humaneval_messages
-from turbospec.bench.machine import benchmark_meta, header_lines, save_results
 from turbospec.data.prompts import load_mtbench
-from turbospec.models.registry import pull
 
 DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 FIXED = ("sps", "pld", "lookahead", "layer-skip", "medusa", "hydra", "eagle", "dart")
@@ -75,83 +71,37 @@ def spec_config(row: str, model: str, args: argparse.Namespace) -> dict[str, Any
 def run_turbospec(args: argparse.Namespace, model: str, specs: dict[str, dict[str, Any] | None],
                   data: dict[str, list[list[int]]]) -> list[dict[str, Any]]:
     """One result per row of `specs`. With several rows, their engines are loaded side by side and take turns
-    prompt by prompt (the order alternating), so a machine that drifts affects them alike: how the adaptive
-    row is compared with the fixed row it builds on."""
+    prompt by prompt (the order alternating: harness.run_sets), so a machine that drifts affects them alike: how
+    the adaptive row is compared with the fixed row it builds on."""
     llms = {row: LLM(model, dtype=args.dtype, weight_format=args.weight_format, num_threads=args.threads,
                      max_model_len=args.max_model_len, speculative_config=spec, progress=False,
                      enable_prefix_caching=False)
             for row, spec in specs.items()}
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    results: dict[str, dict[str, Any]] = {}
-    for row, llm in llms.items():
-        llm.generate({"prompt_token_ids": data["mt-bench"][0]}, SamplingParams(temperature=0, max_tokens=4),
-                     use_tqdm=False)  # warm-up
-        results[row] = {"model": model, "row": row, "engine": "turbospec", "spec": specs[row], "sets": {}}
-    for name, prompts in data.items():
-        outputs: dict[str, list[list[int]]] = {row: [] for row in llms}
-        seconds = dict.fromkeys(llms, 0.0)
-        first_token = dict.fromkeys(llms, 0.0)  # prefill: from arrival to the first token, per row
-        for llm in llms.values():
-            llm.engine.reset_spec_stats()
-        bar = tqdm(prompts, desc=f"{model} {'+'.join(llms)} {name}", unit="prompt")
-        for i, ids in enumerate(bar):
-            for row in (list(llms) if i % 2 == 0 else list(llms)[::-1]):
-                start = time.perf_counter()
-                out = llms[row].generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
-                seconds[row] += time.perf_counter() - start
-                first_token[row] += out.metrics.first_token_time - out.metrics.arrival_time
-                outputs[row].append(out.outputs[0].token_ids)
-            bar.set_postfix({f"{row} tok/s": f"{sum(map(len, outputs[row])) / seconds[row]:.2f}" for row in llms})
-        for row, llm in llms.items():
-            stats = llm.spec_stats()
-            results[row]["sets"][name] = {"outputs": outputs[row], "seconds": seconds[row],
-                                          "first_token_seconds": first_token[row],
-                                          "tokens": sum(map(len, outputs[row])),
-                                          "tau": stats.get("mean_accepted_length") or None,
-                                          "mean_k": stats.get("mean_k"), "k_histogram": stats.get("k_histogram"),
-                                          "controller": stats.get("controller")}  # its own time among them
+    for llm in llms.values():
+        warm_up(llm, data["mt-bench"][0])
+    sets = run_sets(llms, data, SamplingParams(temperature=0, max_tokens=args.max_tokens),
+                    desc=f"{model} {'+'.join(llms)}")
     del llms
     gc.collect()
-    return list(results.values())
+    return [{"model": model, "row": row, "engine": "turbospec", "spec": specs[row], "sets": sets[row]}
+            for row in specs]
 
 
 def run_hf(args: argparse.Namespace, model: str, data: dict[str, list[list[int]]]) -> list[dict[str, Any]]:
-    from transformers import AutoModelForCausalLM
-
     from turbospec.models.loader import load_model
 
-    dtype = getattr(torch, args.dtype)
-
-    def load(name: str) -> Any:
-        path = pull(name, progress=False)
-        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
-
-    target = load(model)
+    target = load_hf(model, args.dtype)
     eos = list(load_model(model, "bfloat16", progress=False).tokenizer.eos_token_ids)
     # the peer row: assisted generation with the same draft where one exists, else its prompt lookup mode
     variants: dict[str, dict[str, Any]] = {"hf-plain": {}}
     if model in DRAFTS:
-        variants["hf-assisted"] = {"assistant_model": load(DRAFTS[model])}
+        variants["hf-assisted"] = {"assistant_model": load_hf(DRAFTS[model], args.dtype)}
     else:
         variants["hf-prompt-lookup"] = {"prompt_lookup_num_tokens": args.k}
-    rows = []
-    for row, extra in variants.items():
-        result: dict[str, Any] = {"model": model, "row": row, "engine": "hf", "spec": None, "sets": {}}
-        for name, prompts in data.items():
-            outputs, seconds = [], 0.0
-            bar = tqdm(prompts, desc=f"{model} {row} {name}", unit="prompt")
-            for ids in bar:
-                x = torch.tensor([ids])
-                start = time.perf_counter()
-                with torch.inference_mode():
-                    gen = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.max_tokens,
-                                          do_sample=False, eos_token_id=eos, pad_token_id=eos[0], **extra)
-                seconds += time.perf_counter() - start
-                outputs.append([t for t in gen[0, len(ids):].tolist() if t not in eos])
-                bar.set_postfix(tok_s=f"{sum(map(len, outputs)) / seconds:.2f}")
-            result["sets"][name] = {"outputs": outputs, "seconds": seconds, "tokens": sum(map(len, outputs)),
-                                    "tau": None}
-        rows.append(result)
+    rows = [{"model": model, "row": row, "engine": "hf", "spec": None,
+             "sets": {name: hf_run_set(target, prompts, args.max_tokens, eos, desc=f"{model} {row} {name}", **extra)
+                      for name, prompts in data.items()}}
+            for row, extra in variants.items()]
     del target, variants
     gc.collect()
     return rows
@@ -163,9 +113,9 @@ def summarise(rows: list[dict[str, Any]]) -> None:
                                                                                    else "hf-plain"))
         for name, s in r["sets"].items():
             base = plain["sets"][name]
-            s["tok_s"] = s["tokens"] / s["seconds"]
-            s["speedup"] = s["tok_s"] / (base["tokens"] / base["seconds"])
-            s["matches_plain"] = sum(a == b for a, b in zip(s["outputs"], base["outputs"])) / len(base["outputs"])
+            s["tok_s"] = stats.tok_s(s["tokens"], s["seconds"])
+            s["speedup"] = s["tok_s"] / stats.tok_s(base["tokens"], base["seconds"])
+            s["matches_plain"] = stats.matches(s["outputs"], base["outputs"])
             if "first_token_seconds" in s and "first_token_seconds" in base:
                 s["after_first_speedup"] = _after_first_rate(s) / _after_first_rate(base)
 
@@ -173,7 +123,7 @@ def summarise(rows: list[dict[str, Any]]) -> None:
 def _after_first_rate(s: dict[str, Any]) -> float:
     """Tokens per second after each prompt's first token: the decoding that speculation speeds up, without the
     prefill that every row pays alike."""
-    return (s["tokens"] - len(s["outputs"])) / (s["seconds"] - s["first_token_seconds"])
+    return stats.after_first_tok_s(s["tokens"], len(s["outputs"]), s["seconds"], s["first_token_seconds"])
 
 
 def after_first_lines(rows: list[dict[str, Any]]) -> list[str]:
@@ -184,7 +134,8 @@ def after_first_lines(rows: list[dict[str, Any]]) -> list[str]:
         sets = plain["sets"]
         if not all("first_token_seconds" in s for s in sets.values()):
             continue
-        share = ", ".join(f"{n} {s['first_token_seconds'] / s['seconds']:.0%}" for n, s in sets.items())
+        share = ", ".join(f"{n} {stats.prefill_share(s['first_token_seconds'], s['seconds']):.0%}"
+                          for n, s in sets.items())
         rows_after = [f"{r['row']} " + " / ".join(f"{s['after_first_speedup']:.2f}x" for s in r["sets"].values())
                       for r in rows if r["model"] == plain["model"] and "sets" in r and r["engine"] == "turbospec"
                       and r["row"] not in ("plain", "plain-alongside")
@@ -269,28 +220,27 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-rows", default="", help="fixed rows not to run, comma-separated (e.g. layer-skip: "
                     "its first use searches the layers: 68 trials, 12 minutes for the 1.5b on 2 AVX2 cores, "
-                    "benchmarks/results/layer_search.md); "
+                    "benchmarks/results/layer_search/layer_search.md); "
                     "the table says so")
     ap.add_argument("--rows", default=",".join(FIXED), help="the fixed rows to run, comma-separated")
     ap.add_argument("--side-by-side", action="store_true",
                     help="plain and --rows loaded together, taking turns prompt by prompt (one measurement group)")
-    ap.add_argument("--out", default="benchmarks/results/proposer_zoo")
+    ap.add_argument("--out", default=str(default_out("proposer_zoo")))
     ap.add_argument("--resume", action="store_true", help="keep the rows a stopped run saved in OUT.partial.json")
     args = ap.parse_args()
     chosen = [r for r in args.rows.split(",") if r]
     if unknown := set(chosen) - set(FIXED):
         ap.error(f"--rows: unknown rows {sorted(unknown)}: choose from {', '.join(FIXED)}")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_suffix(".partial.json")
-    rows: list[dict[str, Any]] = json.loads(partial.read_text()) if args.resume and partial.exists() else []
+    partial = Partial(out, args.resume)
+    rows = partial.rows
 
     def have(model: str, row: str) -> bool:
         return any(r["model"] == model and r["row"] == row for r in rows)
 
-    def save(row: dict[str, Any] | list[dict[str, Any]]) -> None:
+    def keep(row: dict[str, Any] | list[dict[str, Any]]) -> None:
         rows.extend(row if isinstance(row, list) else [row])
-        partial.write_text(json.dumps(rows))
+        partial.save()
 
     counts = {}
     for model in args.models.split(","):
@@ -303,17 +253,17 @@ def main() -> None:
             ap.error(f"--side-by-side: {model}'s plain row was measured by an earlier process (--resume) and the "
                      f"rows {rows_here} would run without it: resume with the plain row too, or start afresh")
         if args.side_by_side and rows_here:
-            save(run_turbospec(args, model, {r: spec_config(r, model, args) for r in rows_here}, data))
+            keep(run_turbospec(args, model, {r: spec_config(r, model, args) for r in rows_here}, data))
         for row in ("plain", *chosen):
             if have(model, row):
                 continue
             if row == "sps" and model not in DRAFTS:
-                save({"model": model, "row": row, "missing": "no smaller model with this tokenizer is packaged"})
+                keep({"model": model, "row": row, "missing": "no smaller model with this tokenizer is packaged"})
                 continue
             if row in args.skip_rows.split(","):
-                save({"model": model, "row": row, "missing": "not run this time (--skip-rows)"})
+                keep({"model": model, "row": row, "missing": "not run this time (--skip-rows)"})
                 continue
-            save(run_turbospec(args, model, {row: spec_config(row, model, args)}, data))
+            keep(run_turbospec(args, model, {row: spec_config(row, model, args)}, data))
         fixed = [r for r in rows if r["model"] == model and r["row"] in FIXED and "sets" in r]
         if not have(model, "adaptive") and fixed:  # (--rows may choose only rows that cannot run here)
             plain = next(r for r in rows if r["model"] == model and r["row"] == "plain")
@@ -329,15 +279,15 @@ def main() -> None:
             plain_alongside, alongside, adaptive = run_turbospec(
                 args, model, {"plain-alongside": None, "best-fixed-alongside": best["spec"], "adaptive": spec}, data)
             adaptive["best"] = alongside["best"] = best["row"]
-            save([plain_alongside, alongside, adaptive])
+            keep([plain_alongside, alongside, adaptive])
         if not args.skip_hf and not have(model, "hf-plain"):
-            save(run_hf(args, model, data))
+            keep(run_hf(args, model, data))
     summarise([r for r in rows if "sets" in r])
     meta = benchmark_meta(args.threads, dtype=args.dtype, weight_format=args.weight_format,
                           max_tokens=args.max_tokens,
                           prompts=", ".join(f"{m}: {n}" for m, n in counts.items()), k=args.k,
                           tree_nodes=args.tree_nodes, layer_skip_k=args.layer_skip_k, side_by_side=args.side_by_side)
-    save_results(out, meta, rows, markdown(meta, rows))
+    save(out, meta, rows, markdown(meta, rows))
 
 
 if __name__ == "__main__":

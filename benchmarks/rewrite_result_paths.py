@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     regex = pattern(names)
     changed = 0
     for path in args.files:
-        if path.resolve().is_relative_to(MOVED.parent):
-            continue  # results keep the paths they were recorded with
+        if path.resolve().is_relative_to(MOVED.parent) or path.resolve() == Path(__file__).resolve():
+            continue  # results keep the paths they were recorded with (and this file's examples stay old)
         try:
             text = path.read_text()
         except (OSError, UnicodeDecodeError):

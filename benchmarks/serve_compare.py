@@ -8,7 +8,7 @@ run filled, and one unrelated warm-up request before measuring. Targets:
   (REFERENCE.md section 7 says how to build it here), running the same GGUF file.
 
     python benchmarks/serve_compare.py --rates 0.5,1,2 --num-prompts 40 --max-tokens 128 \
-        --llamacpp-python /tmp/llamacpp-venv/bin/python --output benchmarks/results/serve_compare
+        --llamacpp-python /tmp/llamacpp-venv/bin/python --output benchmarks/results/serve_compare/serve_compare
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goodput", default="ttft:2000 tpot:100", help="SLOs passed to bench serve")
     p.add_argument("--llamacpp-python", default=None, help="a Python with llama-cpp-python[server] installed")
-    p.add_argument("--output", default="benchmarks/results/serve_compare")
+    p.add_argument("--output", default="benchmarks/results/serve_compare/serve_compare")
     p.add_argument("--only", default=None, help="comma-separated target slugs to (re)run, e.g. "
                                                 "llama_cpp_llama_cpp_python_server; the summary uses every run on disk")
     p.add_argument("--summarize", action="store_true", help="run nothing: rebuild the summary from the runs on disk")

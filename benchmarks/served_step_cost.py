@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+from harness import alternating, benchmark_meta, default_out, header_lines, save
 
 from turbospec import LLM, SamplingParams
 from turbospec.bench.humaneval import answer_prefix, chat_messages, load_humaneval
-from turbospec.bench.machine import benchmark_meta, header_lines, save_results
 from turbospec.tuning.profiler import profile_key, profile_path
 
 KS = (0, 1, 2, 4, 6, 8)
@@ -37,7 +37,7 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
                                   "max_speculative_tokens": max(ks)})
     engine = llm.engine
     llm.generate("hello", SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # loads or makes the profile
-    model = engine.controller.model
+    model = engine.speculation.controller.model
     engine.sample_steps = True
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template(chat_messages(t)) + tok.encode(answer_prefix(t), add_special_tokens=False)
@@ -49,7 +49,7 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
         while engine.requests[rid].is_prefilling or engine.requests[rid].num_computed_tokens == 0:
             engine.step()
         for round_ in range(args.rounds):
-            for k in ks if (i + round_) % 2 == 0 else ks[::-1]:
+            for k in alternating(ks, i + round_):
                 engine.set_speculation(k)
                 for _ in range(args.steps):
                     engine.step()
@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--ks", default=",".join(map(str, KS)), help="draft lengths, comma-separated, 0 first")
-    ap.add_argument("--out", default="benchmarks/results/served_step_cost")
+    ap.add_argument("--out", default=str(default_out("served_step_cost")))
     args = ap.parse_args()
     args.ks = tuple(int(k) for k in args.ks.split(","))
     if args.ks[0] != 0 or min(args.ks) < 0:
@@ -94,7 +94,7 @@ def main() -> None:
     rows, profile = measure(args)
     meta = benchmark_meta(args.threads, model=args.model, method=args.method, prompts=args.prompts,
                           rounds=args.rounds, steps=args.steps, profile=profile)
-    save_results(Path(args.out), meta, rows, markdown(meta, rows))  # (it prints the table)
+    save(Path(args.out), meta, rows, markdown(meta, rows))  # (it prints the table)
 
 
 if __name__ == "__main__":

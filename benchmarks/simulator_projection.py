@@ -15,7 +15,7 @@ Traffic: ShareGPT conversations (first human turn -> its reply) cycled, lengths 
 characters / 4, prompts capped at 2,048 and outputs at 1,024 tokens, Poisson arrivals. Latencies are taken
 over the requests that arrive in the middle of the run (after the replicas have filled, before arrivals stop).
 
-Writes benchmarks/results/simulator_projection.{json,md,png}.
+Writes benchmarks/results/simulator_projection/simulator_projection.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -63,11 +63,11 @@ def main() -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
-    p.add_argument("--acceptance-from", default=str(RESULTS / "simulator_validation.json"),
+    p.add_argument("--acceptance-from", default=str(RESULTS / "simulator_validation" / "simulator_validation.json"),
                    help="speculation scenario: n-gram acceptance pooled from the traces recorded there (a stand-in "
                         "measured on smollm2-135m, not on the projected model)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(RESULTS / "simulator_projection"))
+    p.add_argument("--out", default=str(RESULTS / "simulator_projection" / "simulator_projection"))
     args = p.parse_args()
     t0 = time.time()
     assumptions = RooflineAssumptions()

@@ -19,12 +19,12 @@ On smollm2-135m (CPU, the engine's default options but one thread, n-gram specul
    through the server's own ``AsyncEngine`` (its engine thread and event loop, as ``turbospec serve`` runs
    it, without the HTTP layer) with Poisson arrivals from ``bench serve``'s generator; it records every
    request's arrival, first token and finish, its prompt and output lengths, and the acceptance trace
-   (``engine.verify_trace``, plus a (request, 0, 0) record for each decoding step that verified nothing);
+   (``engine.speculation.verify_trace``, plus a (request, 0, 0) record for each decoding step that verified nothing);
 4. the simulator on the same arrivals, lengths and acceptance trace, with the profile and the calibrated
    overhead; predicted vs measured mean / p99 of E2EL and TTFT per rate, over all of its runs' requests,
    next to how far the rate's own measured runs differ (the machine's reproducibility).
 
-Writes benchmarks/results/simulator_validation.{json,md,png}.
+Writes benchmarks/results/simulator_validation/simulator_validation.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class Recorder:
             self.steps.parts.append((sample.target_s, sample.draft_s, sample.overhead_s))
             self.steps.engine_s.append(engine.last_step.seconds)
             self.steps.loop_s.append(None if self._last_t is None else now - self._last_t)
-            trace = engine.verify_trace or []
+            trace = engine.speculation.verify_trace or []
             new = trace[self._seen_trace:]
             self._seen_trace = len(trace)
             verified = {rid for rid, _, _ in new}
@@ -135,7 +135,7 @@ class Recorder:
 async def _serve(engine: LLMEngine, prompts: list[tuple[str, list[int]]], offsets: np.ndarray
                  ) -> tuple[list[float], list[float], list[int], Recorder, float]:
     recorder = Recorder(engine)
-    engine.verify_trace = []
+    engine.speculation.verify_trace = []
     engine.sample_steps = True  # builds StepFeatures every step (microseconds), for the overhead fit
     server = AsyncEngine(engine, max_pending=1024, on_step=recorder)
     server.start()
@@ -157,7 +157,7 @@ async def _serve(engine: LLMEngine, prompts: list[tuple[str, list[int]]], offset
         results = await asyncio.gather(*(one(rid, ids, o) for (rid, ids), o in zip(prompts, offsets)))
     finally:
         await server.stop()
-        engine.verify_trace = None
+        engine.speculation.verify_trace = None
         engine.sample_steps = False
     return ([r[0] for r in results], [r[1] for r in results], [r[2] for r in results], recorder,
             time.perf_counter() - origin)
@@ -423,7 +423,7 @@ def main() -> int:
                    help="measure the profile again (turbospec profile --grid full) even if one is cached")
     p.add_argument("--resimulate", default=None, metavar="JSON",
                    help="skip measuring: simulate the runs saved in this results file again (same profile)")
-    p.add_argument("--out", default=str(RESULTS / "simulator_validation"))
+    p.add_argument("--out", default=str(RESULTS / "simulator_validation" / "simulator_validation"))
     args = p.parse_args()
     if args.repeats < 1 or args.num_requests < 1 or args.calibration_requests < 1 or args.paced_requests < 0:
         p.error("--repeats, --num-requests and --calibration-requests must be at least 1, --paced-requests at "

@@ -22,6 +22,8 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
+from harness import alternating, benchmark_meta, default_out, save, stats, warm_up  # noqa: E402
+
 
 def parse_mode(text: str) -> int | str:
     if text == "auto":
@@ -35,7 +37,6 @@ def main() -> None:
     from weight_formats import DRAFT, build_job
 
     from turbospec import LLM, SamplingParams
-    from turbospec.bench.machine import benchmark_meta, save_results
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-coder-1.5b", choices=sorted(DRAFT))
@@ -44,7 +45,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=str(ROOT / "results" / "spec_ab"))
+    p.add_argument("--out", default=str(default_out("spec_ab")))
     args = p.parse_args()
     try:
         modes = [parse_mode(m) for m in args.modes.split(",")]
@@ -56,12 +57,11 @@ def main() -> None:
               kv_cache_memory_gib=0.25)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    llm.generate({"prompt_token_ids": job["sets"]["mt-bench"][0]}, SamplingParams(temperature=0, max_tokens=4),
-                 use_tqdm=False)  # warm-up, and the controller's step-time profile (cached)
+    warm_up(llm, job["sets"]["mt-bench"][0])  # and the controller's step-time profile (cached)
     totals: dict[tuple[str, str], dict[str, Any]] = {}
     runs = [(rep, name, ids) for rep in range(args.repeats) for name, sets in job["sets"].items() for ids in sets]
     for rep, name, ids in tqdm(runs, desc="prompts", unit="prompt"):
-        for mode in (modes if rep % 2 == 0 else modes[::-1]):
+        for mode in alternating(modes, rep):
             engine.set_speculation(mode)
             engine.reset_spec_stats()
             start = time.perf_counter()
@@ -69,13 +69,14 @@ def main() -> None:
             t = totals.setdefault((name, str(mode)), {"seconds": 0.0, "tokens": 0, "drafts": 0, "accepted": 0})
             t["seconds"] += time.perf_counter() - start
             t["tokens"] += len(out.outputs[0].token_ids)
-            stats = llm.spec_stats()
-            t["drafts"] += stats["num_drafts"]
-            t["accepted"] += stats["num_accepted_tokens"] + stats["num_drafts"]  # each verification adds one
-    rows = [{"set": name, "mode": mode, **t, "tok_s": t["tokens"] / t["seconds"]} for (name, mode), t in totals.items()]
+            spec = llm.spec_stats()
+            t["drafts"] += spec["num_drafts"]
+            t["accepted"] += spec["num_accepted_tokens"] + spec["num_drafts"]  # each verification adds one
+    rows = [{"set": name, "mode": mode, **t, "tok_s": stats.tok_s(t["tokens"], t["seconds"])}
+            for (name, mode), t in totals.items()]
     meta = benchmark_meta(args.threads, model=args.model, draft=DRAFT[args.model], prompts=args.prompts,
                           max_tokens=args.max_tokens, repeats=args.repeats)
-    save_results(Path(args.out), meta, rows, markdown(meta, rows))
+    save(Path(args.out), meta, rows, markdown(meta, rows))
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -88,7 +89,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     plain = {r["set"]: r["tok_s"] for r in rows if r["mode"] == "0"}
     for r in sorted(rows, key=lambda r: (r["set"], r["mode"])):
         vs = f"{r['tok_s'] / plain[r['set']]:.2f}x" if r["set"] in plain else "-"
-        tau = f"{r['accepted'] / r['drafts']:.2f}" if r["drafts"] else "-"
+        tau = stats.tau({"num_drafts": r["drafts"], "num_accepted_tokens": r["accepted"] - r["drafts"]})
+        tau = f"{tau:.2f}" if tau else "-"
         lines.append(f"| {r['set']} | {r['mode']} | {r['tok_s']:.2f} | {vs} | {tau} | {r['drafts']} |")
     return "\n".join(lines) + "\n"
 

@@ -21,12 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+from harness import benchmark_meta, default_out, header_lines, hf_run_set, load_hf, run_sets, save, stats, warm_up
 
 from turbospec import LLM, SamplingParams
-from turbospec.bench.machine import benchmark_meta, header_lines, save_results
 from turbospec.data.prompts import BenchPrompt, load_mtbench, load_prompts
-from turbospec.models.registry import gguf_path, pull
+from turbospec.models.registry import gguf_path
 
 
 def log(msg: str) -> None:
@@ -37,69 +36,30 @@ def run_turbospec(args: argparse.Namespace, name: str, spec: dict[str, Any] | No
                   datasets: dict[str, list[list[int]]]) -> list[dict[str, Any]]:
     llm = LLM(args.target, dtype=args.dtype, num_threads=args.threads, max_model_len=args.max_model_len,
               speculative_config=spec, progress=False, enable_prefix_caching=False)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    llm.generate({"prompt_token_ids": datasets[next(iter(datasets))][0]}, SamplingParams(temperature=0, max_tokens=4),
-                 use_tqdm=False)  # warm-up
-    rows = []
-    for dataset, prompts in datasets.items():
-        before = llm.spec_stats()
-        tokens, seconds, outputs = 0, 0.0, []
-        for i, ids in enumerate(prompts):
-            start = time.perf_counter()
-            out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0]
-            seconds += time.perf_counter() - start
-            tokens += len(out.token_ids)
-            outputs.append(out.token_ids)
-            log(f"  {name} {dataset} [{i + 1}/{len(prompts)}] {len(out.token_ids)} tok, {tokens / seconds:.2f} tok/s")
-        after = llm.spec_stats()
-        drafts = after["num_drafts"] - before["num_drafts"]
-        accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
-        per_pos = [a - (before["num_accepted_tokens_per_pos"][j] if j < len(before["num_accepted_tokens_per_pos"]) else 0)
-                   for j, a in enumerate(after["num_accepted_tokens_per_pos"])]
-        drafted = [d - (before["num_draft_tokens_per_pos"][j] if j < len(before["num_draft_tokens_per_pos"]) else 0)
-                   for j, d in enumerate(after["num_draft_tokens_per_pos"])]
-        rows.append({
-            "engine": "turbospec", "method": name, "dataset": dataset, "tokens": tokens, "seconds": seconds,
-            "tok_s": tokens / seconds, "tau": 1 + accepted / drafts if drafts else 1.0,
-            "acceptance_by_position": [a / d if d else 0.0 for a, d in zip(per_pos, drafted)],
-            "outputs": outputs,
-        })
+    warm_up(llm, datasets[next(iter(datasets))][0])
+    sets = run_sets({name: llm}, datasets, SamplingParams(temperature=0, max_tokens=args.max_tokens))[name]
+    rows = [{"engine": "turbospec", "method": name, "dataset": dataset, "tokens": s["tokens"], "seconds": s["seconds"],
+             "tok_s": stats.tok_s(s["tokens"], s["seconds"]), "tau": s["tau"] or 1.0,  # plain: one token a step
+             "acceptance_by_position": s["acceptance_by_position"], "outputs": s["outputs"]}
+            for dataset, s in sets.items()]
     del llm
     gc.collect()
     return rows
 
 
 def run_hf(args: argparse.Namespace, datasets: dict[str, list[list[int]]]) -> list[dict[str, Any]]:
-    from transformers import AutoModelForCausalLM
-
-    dtype = getattr(torch, args.dtype)
-
-    def load(name: str) -> Any:
-        path = pull(name, progress=False)
-        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
-
     log("loading HF target and draft")
-    target, draft = load(args.target), load(args.draft)
+    target, draft = load_hf(args.target, args.dtype), load_hf(args.draft, args.dtype)
     variants = {"plain": {}, f"assisted ({args.draft})": {"assistant_model": draft},
                 f"prompt lookup k={args.hf_pld_k}": {"prompt_lookup_num_tokens": args.hf_pld_k}}
-    eos = gguf_eos(args.target)
+    eos = [gguf_eos(args.target)]
     rows = []
     for name, extra in variants.items():
         for dataset, prompts in datasets.items():
-            tokens, seconds, outputs = 0, 0.0, []
-            for i, ids in enumerate(prompts):
-                x = torch.tensor([ids])
-                start = time.perf_counter()
-                with torch.inference_mode():
-                    gen = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.max_tokens,
-                                          do_sample=False, eos_token_id=eos, pad_token_id=eos, **extra)
-                seconds += time.perf_counter() - start
-                new = gen[0, len(ids):].tolist()
-                tokens += len(new)
-                outputs.append(new)
-                log(f"  HF {name} {dataset} [{i + 1}/{len(prompts)}] {len(new)} tok, {tokens / seconds:.2f} tok/s")
-            rows.append({"engine": "hf", "method": name, "dataset": dataset, "tokens": tokens, "seconds": seconds,
-                         "tok_s": tokens / seconds, "outputs": outputs})
+            s = hf_run_set(target, prompts, args.max_tokens, eos, desc=f"HF {name} {dataset}", **extra)
+            rows.append({"engine": "hf", "method": name, "dataset": dataset, "tokens": s["tokens"],
+                         "seconds": s["seconds"], "tok_s": stats.tok_s(s["tokens"], s["seconds"]),
+                         "outputs": s["outputs"]})
     del target, draft
     gc.collect()
     return rows
@@ -124,7 +84,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in rows:
         plain = next(p for p in rows if p["engine"] == r["engine"] and p["method"] == "plain" and p["dataset"] == r["dataset"])
         r["speedup"] = r["tok_s"] / plain["tok_s"]
-        r["matches_plain"] = sum(a == b for a, b in zip(r["outputs"], plain["outputs"])) / len(plain["outputs"])
+        r["matches_plain"] = stats.matches(r["outputs"], plain["outputs"])
     return rows
 
 
@@ -158,7 +118,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--out", default="benchmarks/results/spec_decode")
+    ap.add_argument("--out", default=str(default_out("spec_decode")))
     args = ap.parse_args()
 
     humaneval, _ = load_prompts(args.humaneval, "humaneval")
@@ -178,9 +138,7 @@ def main() -> None:
     meta = benchmark_meta(args.threads, target=args.target, draft=args.draft, dtype=args.dtype,
                           max_tokens=args.max_tokens,
                           counts=f"{args.humaneval} HumanEval prompts, {args.mtbench} MT-Bench first turns")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_results(out, meta, rows, markdown(meta, rows))
+    save(Path(args.out), meta, rows, markdown(meta, rows))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ runs on the model: this is arithmetic on samples.
     .venv/bin/python benchmarks/step_time_fit.py benchmarks/results/profiles/smollm2-135m-ngram-bf16-t1.json
     .venv/bin/python benchmarks/step_time_fit.py \\
         benchmarks/results/profiles/qwen2.5-coder-1.5b-eagle-bf16-t2-zen5.json \\
-        --context 150 --out benchmarks/results/step_time_fit_qwen_eagle_zen5
+        --context 150 --out benchmarks/results/step_time_fit/step_time_fit_qwen_eagle_zen5
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+from harness import benchmark_meta, header_lines, save
 
-from turbospec.bench.machine import benchmark_meta, header_lines, save_results
 from turbospec.control.step_time import StepTimeModel
 
 
@@ -48,7 +48,7 @@ def main() -> None:
                           saved_forms=[r.line() for r in saved.reports], refit_forms=[r.line() for r in refit.reports])
     table = markdown(meta, rows)
     if args.out:
-        save_results(args.out, meta, rows, table)
+        save(args.out, meta, rows, table)
     else:
         print(table)
 

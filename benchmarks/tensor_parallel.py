@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import benchmark_meta, default_out, save
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent
@@ -71,7 +72,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--single", type=int, default=3, help="prompts decoded one at a time")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "tensor_parallel")
+    ap.add_argument("--out", type=Path, default=default_out("tensor_parallel"))
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -79,7 +80,6 @@ def main() -> None:
         args.child.with_suffix(".out").write_text(json.dumps(run_row(job)))
         return
 
-    from turbospec.bench.machine import benchmark_meta, save_results
     from turbospec.data.prompts import load_mtbench
     from turbospec.models.loader import load_model
 
@@ -96,7 +96,7 @@ def main() -> None:
             rows.append({**spec, **json.loads(path.with_suffix(".out").read_text())})
     meta = benchmark_meta(args.threads, model=args.model, max_tokens=args.max_tokens,
                           load_average=os.getloadavg()[0])
-    save_results(args.out, meta, rows, markdown(meta, rows))
+    save(args.out, meta, rows, markdown(meta, rows))
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:

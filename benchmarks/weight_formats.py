@@ -36,6 +36,8 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
+from harness import benchmark_meta, default_out, hf_run_set, load_hf, run_sets, save, stats, warm_up  # noqa: E402
+
 DRAFT = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 SINGLE = ("hf-plain", "hf-prompt-lookup", "llama.cpp-plain", "llama.cpp-prompt-lookup", "turbospec-bf16",
           "turbospec-int4", "turbospec-auto", "turbospec-auto-noamx", "turbospec-auto-nodpbf16", "turbospec-pld-k4", "turbospec-sps-k4",
@@ -96,8 +98,7 @@ def run_turbospec(job: dict[str, Any]) -> dict[str, Any]:
               enable_prefix_caching=False, max_num_seqs=16, max_model_len=2048,
               kv_cache_memory_gib=1.0 if job["row"].endswith("-16") else 0.25)
     params = SamplingParams(temperature=0, max_tokens=job["max_tokens"])
-    llm.generate({"prompt_token_ids": job["sets"]["mt-bench"][0]}, SamplingParams(temperature=0, max_tokens=4),
-                 use_tqdm=False)  # warm-up (and the controller's step-time profile, cached)
+    warm_up(llm, job["sets"]["mt-bench"][0])  # (and the controller's step-time profile, cached)
     result: dict[str, Any] = {"weights": llm.engine.loaded.weights.line(), "sets": {}}
     if job["row"].endswith("-16"):
         prompts = [{"prompt_token_ids": ids} for ids in job["concurrent"]]
@@ -105,24 +106,10 @@ def run_turbospec(job: dict[str, Any]) -> dict[str, Any]:
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         result["sets"]["concurrent-16"] = {"seconds": seconds, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
-    else:
-        for name, sets in job["sets"].items():
-            llm.engine.reset_spec_stats()
-            outputs, seconds = [], 0.0
-            for ids in tqdm(sets, desc=f"{job['row']} {name}", unit="prompt", leave=False):
-                start = time.perf_counter()
-                out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
-                seconds += time.perf_counter() - start
-                outputs.append(out.outputs[0].token_ids)
-            stats = llm.spec_stats()
-            prefill = 0.0  # the same prompts again, one token each: the prefill's share of `seconds`
-            for ids in sets:
-                start = time.perf_counter()
-                llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-                prefill += time.perf_counter() - start
-            result["sets"][name] = {"outputs": outputs, "seconds": seconds, "tokens": sum(map(len, outputs)),
-                                    "tau": stats.get("mean_accepted_length") or None, "mean_k": stats.get("mean_k"),
-                                    "prefill_seconds": prefill}
+    else:  # the prefill's share of each set's seconds: the same prompts again, one token each
+        sets = run_sets({job["row"]: llm}, job["sets"], params, measure_prefill=True, leave=False)[job["row"]]
+        result["sets"] = {name: {k: s[k] for k in ("outputs", "seconds", "tokens", "tau", "mean_k", "prefill_seconds")}
+                          for name, s in sets.items()}
     if job.get("profile"):
         result["profile"] = profile_decode(llm, job["sets"]["humaneval"][0])
     result["peak_rss_mib"] = peak_rss_mib()
@@ -154,27 +141,13 @@ def profile_decode(llm: Any, ids: list[int], steps: int = 16) -> list[dict[str, 
 
 def run_hf(job: dict[str, Any]) -> dict[str, Any]:
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from turbospec.models.registry import pull
-
-    path = pull(job["model"], progress=False)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16).eval()
+    model = load_hf(job["model"], "bfloat16")
     torch.set_num_threads(job["threads"])
     extra = {"prompt_lookup_num_tokens": 4} if job["row"] == "hf-prompt-lookup" else {}
-    eos = job["eos"]
-    result: dict[str, Any] = {"sets": {}}
-    for name, sets in job["sets"].items():
-        outputs, seconds = [], 0.0
-        for ids in tqdm(sets, desc=f"{job['row']} {name}", unit="prompt", leave=False):
-            x = torch.tensor([ids])
-            start = time.perf_counter()
-            with torch.inference_mode():
-                gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=job["max_tokens"],
-                                     do_sample=False, eos_token_id=eos, pad_token_id=eos[0], **extra)
-            seconds += time.perf_counter() - start
-            outputs.append([t for t in gen[0, len(ids):].tolist() if t not in eos])
-        result["sets"][name] = {"outputs": outputs, "seconds": seconds, "tokens": sum(map(len, outputs)), "tau": None}
+    result: dict[str, Any] = {"sets": {name: hf_run_set(model, sets, job["max_tokens"], job["eos"],
+                                                         desc=f"{job['row']} {name}", leave=False, **extra)
+                                       for name, sets in job["sets"].items()}}
     result["peak_rss_mib"] = peak_rss_mib()
     return result
 
@@ -226,7 +199,7 @@ def child(args: argparse.Namespace) -> None:
 
 def tok_s(row: dict[str, Any], name: str) -> float | None:
     s = row["sets"].get(name)
-    return s["tokens"] / s["seconds"] if s and s["seconds"] else None
+    return stats.tok_s(s["tokens"], s["seconds"]) if s else None
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -299,14 +272,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", default=",".join(SINGLE + CONCURRENT))
     p.add_argument("--llamacpp-python", default="/tmp/llamacpp-venv/bin/python")
-    p.add_argument("--out", default=str(ROOT / "results" / "weight_formats"))
+    p.add_argument("--out", default=str(default_out("weight_formats")))
     p.add_argument("--job", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.job:
         return child(args)
-    from turbospec.bench.machine import benchmark_meta, save_results
-
     rows_wanted = args.rows.split(",")
     unknown = set(rows_wanted) - set(SINGLE + CONCURRENT)
     if unknown:
@@ -336,7 +307,7 @@ def main() -> None:
             partial.parent.mkdir(parents=True, exist_ok=True)
             partial.write_text(json.dumps({"meta": meta, "rows": list(done.values())}))
     rows = [done[r] for r in rows_wanted]
-    save_results(out, meta, rows, markdown(meta, rows))
+    save(out, meta, rows, markdown(meta, rows))
 
 
 if __name__ == "__main__":

@@ -154,7 +154,7 @@ def test_a_controller_that_stopped_drafting_drafts_again_after_its_evidence_ages
     """Chat taught that drafts fail, so the controller chose k = 0 for every request and saw no verification
     again: without aging, traffic that shifted to code (which the draft predicts well) was never drafted for
     (qwen2.5-coder-1.5b's adaptive EAGLE row after MT-Bench, HumanEval at k = 0 for all 498 steps:
-    benchmarks/results/proposer_zoo_qwen_zen5_eagle8_monotone.json)."""
+    benchmarks/results/proposer_zoo/archive/2026-12-03-proposer_zoo_qwen_zen5_eagle8_monotone.json)."""
     est = make_estimator(name, prior=0.6)
     rng = random.Random(2)
     cost = linear_cost(1.0, 0.05)(1)
@@ -450,8 +450,8 @@ def test_step_time_fit_prefers_the_padded_slots_attention_reads_when_contexts_di
 def test_a_step_up_where_packed_linears_turn_dense_is_fitted_and_priced_by_spec_cost():
     """Packed int4 linears switch to dense bf16 at their crossover rows; on a Xeon the step time jumped there
     (a single decode at a 64-token context: 45 ms at 4 tokens, 74 ms at 5 in
-    benchmarks/results/simulator_validation_profile.json). The fit must find the jump, and the controller's
-    spec_cost must price it, or it verifies 4 drafts where 3 cost a third less."""
+    benchmarks/results/simulator_validation/simulator_validation_profile.json). The fit must find the jump, and the
+    controller's spec_cost must price it, or it verifies 4 drafts where 3 cost a third less."""
     rng = random.Random(9)
     samples = []
     for _ in range(200):

@@ -9,11 +9,12 @@ from typing import Any
 from .machines import machine_class
 
 
-def meta(threads: int, **extra: Any) -> dict[str, Any]:
-    """benchmark_meta (command, machine, threads, torch, date, commit, `extra`) and `machine_class`."""
-    from turbospec.bench.machine import benchmark_meta
+def benchmark_meta(threads: int, **extra: Any) -> dict[str, Any]:
+    """turbospec.bench.machine.benchmark_meta (command, machine, threads, torch, date, commit, `extra`) and
+    `machine_class`."""
+    from turbospec.bench.machine import benchmark_meta as meta
 
-    out = benchmark_meta(threads, **extra)
+    out = meta(threads, **extra)
     out["machine_class"] = machine_class(out["machine"])
     return out
 

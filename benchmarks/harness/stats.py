@@ -1,37 +1,18 @@
 """The one place tok/s, tau and the prefill's share are computed from what a run counted.
 
 tau is tokens emitted per verifying request-step, the bonus (or correction) token included: 1 + accepted / drafts
-over the engine's spec_stats() counters (turbospec/verification/stats.py, `mean_accepted_length`). Counters are summed
-over the prompts of a set before dividing, never averaged per prompt.
+over an engine's spec_stats() counters for a whole set of prompts (harness.run_sets resets them at its start),
+never averaged per prompt; the engine's own `mean_accepted_length` is the same formula.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
-PER_POSITION = ("num_accepted_tokens_per_pos", "num_draft_tokens_per_pos")
-
 
 def tok_s(tokens: int, seconds: float) -> float | None:
     """Generated tokens over wall time (prefill included, as every row pays it)."""
     return tokens / seconds if seconds else None
-
-
-def spec_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """The spec_stats() counters between two reads of one engine (per-position lists subtracted by position)."""
-    out: dict[str, Any] = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}
-    for key in PER_POSITION:
-        a, b = after.get(key, []), before.get(key, [])
-        out[key] = [x - (b[i] if i < len(b) else 0) for i, x in enumerate(a)]
-    return out
-
-
-def add_counts(total: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
-    """Sum spec_stats() counters (e.g. of one prompt each) into `total`, which it returns."""
-    for k in COUNTERS:
-        total[k] = total.get(k, 0) + more.get(k, 0)
-    return total
 
 
 def tau(stats: dict[str, Any]) -> float | None:
