@@ -31,6 +31,7 @@ from turbospec.attention import build_metadata, paged_attention
 from turbospec.bench.timing import decode_step_ms
 from turbospec.config import EngineConfig
 from turbospec.engine import LLMEngine
+from turbospec.tuning import build_engine
 
 COMPOSITIONS = {  # name -> context lengths of the decoding requests
     "16 x 500": [500] * 16,
@@ -76,7 +77,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10, help="decode steps measured per composition and round")
     p.add_argument("--out", default=str(default_out("attention_groups")))
     args = p.parse_args()
-    engine = LLMEngine(EngineConfig(args.model, num_threads=args.threads, weight_format="bf16"), progress=False)
+    engine = build_engine(EngineConfig(args.model, num_threads=args.threads, weight_format="bf16"), progress=False)
     kernel = kernel_cost(engine, repeats=5)
     print(f"per call {kernel['per_call_us']:.1f} us, per slot {kernel['per_slot_ns']:.1f} ns: "
           f"break-even {kernel['break_even_slots']:.0f} slots", flush=True)

@@ -62,6 +62,7 @@ def operator_rows(dpbf16: bool) -> list[dict[str, Any]]:
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     """One mode, in this process: the engine's prefill, plain and EAGLE rows on the same prompts, in turn."""
     from turbospec import LLM, SamplingParams
+    from turbospec.tuning import set_speculation
     from turbospec.bench.humaneval import answer_prefix, chat_messages, load_humaneval
 
     ours = os.environ.get("TURBOSPEC_NO_BF16_ROWS") != "1"
@@ -78,7 +79,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     engine.set_speculation(0)
     llm.generate({"prompt_token_ids": prompts[0][:16]}, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     if mode == "ours":  # the controller's step-time profile (cached per machine) before anything is timed
-        engine.set_speculation("auto")
+        set_speculation(engine, "auto")
         llm.generate({"prompt_token_ids": prompts[0][:16]}, SamplingParams(temperature=0, max_tokens=4),
                      use_tqdm=False)
     params = SamplingParams(temperature=0, max_tokens=args.tokens)

@@ -27,6 +27,7 @@ from turbospec.bench.machine import machine_info
 from turbospec.data.prompts import BenchPrompt, chat_messages, load_mtbench, load_prompts, load_sharegpt
 from turbospec.config import EngineConfig
 from turbospec.engine import LLMEngine
+from turbospec.tuning import build_engine
 from turbospec.models.loader import load_model, parse_dtype
 
 DATASETS = ("sharegpt", "humaneval", "mtbench")
@@ -100,8 +101,8 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     for model in args.models.split(","):
         loaded = load_model(model, parse_dtype("bfloat16"), "cpu", progress=False)
-        engines = {m: LLMEngine(EngineConfig(model, num_threads=args.threads, max_model_len=2048, **mode_options(m)),
-                                loaded=loaded, progress=False) for m in modes}
+        engines = {m: build_engine(EngineConfig(model, num_threads=args.threads, max_model_len=2048, **mode_options(m)),
+                                   loaded=loaded, progress=False) for m in modes}
         tok = loaded.tokenizer
         for name in args.datasets.split(","):
             pool = [tok.apply_chat_template(chat_messages(q)) for q in dataset(name, 16)]

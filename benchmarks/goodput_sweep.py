@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from turbospec.tuning import set_speculation
 from turbospec import LLM, SamplingParams
 from turbospec.bench.machine import machine_info
 from turbospec.data.prompts import BenchPrompt, load_prompts, load_sharegpt
@@ -125,7 +126,7 @@ def policy_value(policy: str) -> int | str:
 
 
 def apply_policy(engine: Any, policy: str) -> None:
-    engine.set_speculation(policy_value(policy))
+    set_speculation(engine, policy_value(policy))
 
 
 # --- load generator ----------------------------------------------------------------------------------------

@@ -64,9 +64,9 @@ def worker(source: str, threads: int, steps: int) -> dict:
 
     from turbospec.bench.timing import decode_step_ms
     from turbospec.config import EngineConfig
-    from turbospec.engine import LLMEngine
+    from turbospec.tuning import build_engine
 
-    engine = LLMEngine(EngineConfig(MODEL, num_threads=threads), progress=False)
+    engine = build_engine(EngineConfig(MODEL, num_threads=threads), progress=False)
     step_ms = decode_step_ms(engine, [200], random.Random(0), steps)
     return {"op_ms": op, "decode_step_ms": step_ms}
 

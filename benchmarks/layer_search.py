@@ -55,11 +55,11 @@ def main() -> None:
     args = parser.parse_args()
 
     from turbospec.config import EngineConfig
-    from turbospec.engine import LLMEngine
+    from turbospec.tuning import build_engine
     from turbospec.spec import layer_search
 
     torch.set_num_threads(args.threads)
-    engine = LLMEngine(EngineConfig(args.model, dtype=args.dtype, num_threads=args.threads, kv_cache_memory_gib=0.25),
+    engine = build_engine(EngineConfig(args.model, dtype=args.dtype, num_threads=args.threads, kv_cache_memory_gib=0.25),
                        progress=False)
     n = len(engine.loaded.model.layers)
     sequences, _ = layer_search.answered_prompts(engine, 8, 48)  # the search's defaults

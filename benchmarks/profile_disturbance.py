@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 from harness import benchmark_meta, default_out, header_lines, save
 
+from turbospec.tuning import set_speculation
 from turbospec import LLM, SamplingParams
 from turbospec.bench.humaneval import answer_prefix, load_humaneval
 from turbospec.bench.humaneval import chat_messages as humaneval_messages
@@ -68,7 +69,7 @@ def batch1_prices(model: StepTimeModel, levels: int, ks: range, context: int = 3
 
 
 def run_humaneval(llm: LLM, prompts: list[list[int]], mode: int | str, max_tokens: int) -> dict[str, Any]:
-    llm.engine.set_speculation(mode)
+    set_speculation(llm.engine, mode)
     llm.engine.reset_spec_stats()
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     start, tokens = time.perf_counter(), 0

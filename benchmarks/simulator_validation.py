@@ -53,6 +53,7 @@ from turbospec.config import EngineConfig
 from turbospec.tuning.profiler import GRIDS, build_model, load_or_profile, profile_key, profile_path
 from turbospec.control.step_time import StepFeatures, StepSample, StepTimeModel
 from turbospec.engine import LLMEngine
+from turbospec.tuning import build_engine
 from turbospec.sampling_params import SamplingParams
 from turbospec.server.async_engine import AsyncEngine
 from turbospec.sim.draft_outcomes import TraceRecord, TraceReplay, rates_from_trace
@@ -338,7 +339,7 @@ def as_json(run: ServedRun) -> dict[str, Any]:
 
 def measure(args: argparse.Namespace) -> tuple[dict[str, Any], StepTimeModel]:
     load_before = wait_for_quiet(args.max_wait)
-    engine = LLMEngine(EngineConfig(MODEL, speculative_config=SPEC, num_threads=args.num_threads), progress=False)
+    engine = build_engine(EngineConfig(MODEL, speculative_config=SPEC, num_threads=args.num_threads), progress=False)
     key = profile_key(engine)
     had_profile = profile_path(key).exists() and not args.reprofile
     model = build_model(engine, GRIDS["full"], progress=False) if args.reprofile else \

@@ -36,6 +36,7 @@ def parse_mode(text: str) -> int | str:
 def main() -> None:
     from weight_formats import DRAFT, build_job
 
+    from turbospec.tuning import set_speculation
     from turbospec import LLM, SamplingParams
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,7 +63,7 @@ def main() -> None:
     runs = [(rep, name, ids) for rep in range(args.repeats) for name, sets in job["sets"].items() for ids in sets]
     for rep, name, ids in tqdm(runs, desc="prompts", unit="prompt"):
         for mode in alternating(modes, rep):
-            engine.set_speculation(mode)
+            set_speculation(engine, mode)
             engine.reset_spec_stats()
             start = time.perf_counter()
             out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]

@@ -1,10 +1,10 @@
 """Which kernel attends a sequence's short query (a decode, a verification window, a draft tree): torch's SDPA, our
-two grouped matmuls (`attention_matmul.grouped_matmul_attention`) or our fused kernel that reads the paged cache in place
-(`kernels/short_attention.cpp`). Measured per machine, thread count, torch version, kernel build and head shape,
-cached under $TURBOSPEC_HOME/kernels.
+two grouped matmuls (`attention_matmul.grouped_matmul_attention`) or our fused kernel that reads the paged cache in
+place (`kernels/short_attention.cpp`). Measured per machine, thread count, torch version, kernel build and head
+shape, cached under $TURBOSPEC_HOME/kernels.
 
-Why measured: the faster one depends on the CPU, the query count and the context (benchmarks/results/attention_paths.md
-for SDPA against the matmuls). SDPA and the matmuls are timed with the gather of the context's keys and values that
+Why measured: the faster one depends on the CPU, the query count and the context
+(benchmarks/results/attention_paths/attention_paths.md for SDPA against the matmuls). SDPA and the matmuls are timed with the gather of the context's keys and values that
 they need before they run, the fused kernel without (it reads the cache slots itself). Groups of several sequences
 run the fused kernel where it won for one sequence at that query count and context, else the matmuls. The choice is
 made once per attention group and step (`AttnGroup.kernel`).
@@ -27,11 +27,10 @@ import torch.nn.functional as F
 from .attention_matmul import grouped_matmul_attention
 from .host import best_ms, hardware_name, measured_once
 
-
 SHORT_QUERY = 16  # at most this many queries per sequence: the short-query kernels' domain (longer chunks run SDPA)
 # context lengths each query count is timed at, 2x apart; a call takes the choice made at the nearest (in ratio).
 # For smollm2-135m's heads on the Zen 5, SDPA won 2-16 queries at 128 tokens and lost them at 1,000
-# (benchmarks/results/attention_paths.md).
+# (benchmarks/results/attention_paths/attention_paths.md).
 PROBE_CONTEXTS = (64, 128, 256, 512, 1024, 2048, 4096)
 PROBE_REPEATS = 5
 OVERRIDE = "TURBOSPEC_ATTENTION"

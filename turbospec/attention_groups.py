@@ -2,7 +2,7 @@
 
 A group pads every member to its longest context: the gather and both matmuls cost (members x longest
 context), not the sum of the contexts. One decode group for a whole batch made a step with one 950-token and
-fifteen 50-token requests slower than sixteen 500-token ones (benchmarks/results/attention_groups.md). So
+fifteen 50-token requests slower than sixteen 500-token ones (benchmarks/results/attention_groups/attention_groups.md). So
 short queries are sorted by context and split wherever padding a sequence to its group's longest context
 would cost more than another group call does.
 

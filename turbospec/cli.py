@@ -1,5 +1,5 @@
 """Command line: ``turbospec pull | models | generate | serve | profile | calibrate-margin | search-layers |
-bench serve | simulate``.
+train-head | bench serve | simulate``.
 Bad input exits with code 2 and a one-line reason."""
 
 from __future__ import annotations
@@ -199,8 +199,8 @@ def _window(text: str) -> int | str:
 
 def _profile(args: argparse.Namespace) -> int:
     from .config import EngineConfig, SpeculativeConfig
+    from .tuning import build_engine
     from .tuning.profiler import GRIDS, build_model, profile_path
-    from .engine import LLMEngine
 
     try:
         grid = GRIDS[args.grid]
@@ -214,9 +214,9 @@ def _profile(args: argparse.Namespace) -> int:
         spec = SpeculativeConfig.parse(args.speculative_config)
         if spec is not None:
             spec.num_speculative_tokens = spec.k_limit  # a fixed k while profiling: no controller (nor a profile)
-        engine = LLMEngine(EngineConfig(args.model, dtype=args.dtype, weight_format=args.weight_format,
-                                        num_threads=args.num_threads, max_num_seqs=args.max_num_seqs,
-                                        tensor_parallel_size=args.tensor_parallel_size, speculative_config=spec))
+        engine = build_engine(EngineConfig(args.model, dtype=args.dtype, weight_format=args.weight_format,
+                                           num_threads=args.num_threads, max_num_seqs=args.max_num_seqs,
+                                           tensor_parallel_size=args.tensor_parallel_size, speculative_config=spec))
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     model = build_model(engine, grid)
@@ -250,11 +250,11 @@ def _calibrate(args: argparse.Namespace) -> int:
 def _tool_engine(args: argparse.Namespace, **options: Any) -> Any:
     """The engine a one-off command (calibrate-margin, search-layers, train-head) runs on: a small KV cache."""
     from .config import EngineConfig
-    from .engine import LLMEngine
+    from .tuning import build_engine
 
-    return LLMEngine(EngineConfig(args.model, dtype=args.dtype, num_threads=args.num_threads,
-                                  weight_format=getattr(args, "weight_format", "auto"),
-                                  **{"kv_cache_memory_gib": 0.25, **options}))
+    return build_engine(EngineConfig(args.model, dtype=args.dtype, num_threads=args.num_threads,
+                                     weight_format=getattr(args, "weight_format", "auto"),
+                                     **{"kv_cache_memory_gib": 0.25, **options}))
 
 
 def _require_at_least_one(args: argparse.Namespace, *names: str) -> None:
@@ -285,8 +285,8 @@ def _search_layers(args: argparse.Namespace) -> int:
 
 
 def _train_head(args: argparse.Namespace) -> int:
-    from .training.heads import TrainHeadOptions, train_heads
     from .proposers.heads import head_path
+    from .training.heads import TrainHeadOptions, train_heads
 
     try:
         _require_at_least_one(args, "num_heads", "num_prompts", "max_tokens", "draft_vocab", "epochs", "batch_size")
@@ -350,7 +350,7 @@ def _generate(args: argparse.Namespace) -> int:
             "text": completion.text, "token_ids": completion.token_ids,
             "prompt_token_ids": out.prompt_token_ids, "finish_reason": completion.finish_reason,
         }
-        if llm.engine.proposer is not None:
+        if llm.engine.speculation.proposer is not None:
             result["stats"] = llm.spec_stats()
         if out.acceptance != "exact":  # a lossy (or draft-shortening) policy says so, as the server does
             result["acceptance"] = {"policy": out.acceptance, "lossless": out.lossless,
@@ -367,8 +367,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from .config import EngineConfig
-    from .engine import LLMEngine
     from .server.app import build_app, run_server
+    from .tuning import build_engine
 
     try:
         if not 0 < args.port < 65536:
@@ -386,13 +386,13 @@ def _serve(args: argparse.Namespace) -> int:
         if args.ray:
             return _serve_ray(args, options)
         config = EngineConfig(args.model, **options)
-        engine = LLMEngine(config)
+        engine = build_engine(config)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     name = args.served_model_name or args.model
     app = build_app(engine, name, args.max_pending_requests)
     url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
-    policy = "off" if engine.proposer is None else f"{config.speculative_config.method}, k = {engine.spec_mode}"
+    policy = "off" if engine.speculation.proposer is None else f"{config.speculative_config.method}, k = {engine.speculation.mode}"
     print(f"turbospec: serving {name!r} (speculation: {policy}) at {url}\n"
           f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
           f"    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n"

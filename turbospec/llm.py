@@ -9,9 +9,9 @@ from typing import Any
 from tqdm import tqdm
 
 from .config import EngineConfig
-from .engine import LLMEngine
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
+from .tuning import build_engine, set_speculation
 
 PromptInput = str | list[int] | dict[str, Any]
 Conversation = list[dict[str, Any]]
@@ -32,7 +32,8 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown LLM option(s) {unknown}: expected some of {sorted(known - {'model'})}")
         self.config = EngineConfig(model=model, **kwargs)
-        self.engine = LLMEngine(self.config, progress=progress)
+        self.progress = progress
+        self.engine = build_engine(self.config, progress=progress)
         self._counter = 0
 
     def shutdown(self) -> None:
@@ -47,6 +48,11 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def set_speculation(self, value: int | str) -> None:
+        """0 turns speculation off, k >= 1 fixes the draft length, "auto" hands it to the goodput controller (its
+        step-time model loaded, or profiled once, the first time)."""
+        set_speculation(self.engine, value, self.progress)
 
     def spec_stats(self) -> dict[str, Any]:
         """Cumulative speculative decoding statistics (all zero when speculation is off), and the goodput

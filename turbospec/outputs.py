@@ -14,6 +14,10 @@ class Logprob:
     decoded_token: str | None = None
 
 
+# a step's tokens for one request, each with its log-probs when the request asked for them
+Emitted = list[tuple[int, dict[int, Logprob] | None]]
+
+
 @dataclass
 class CompletionOutput:
     index: int

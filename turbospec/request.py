@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .draft import Draft
 from .models.tokenizer import IncrementalDetokenizer
+from .outputs import Logprob
 from .sampling_params import SamplingParams
-from .verification.tree import TokenTree
 
 
 class RequestStatus(enum.Enum):
@@ -39,7 +40,7 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None
     error: str | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
     first_token_time: float | None = None
     num_sent_chars: int = 0  # output text already handed out as deltas
@@ -57,17 +58,10 @@ class Request:
     check_tokens: list[int] = field(default_factory=list)
     # margin-gate: leading positions whose KV the invariant path computed (prefill, and each check)
     num_exact_kv: int = 0
-    # Draft tokens proposed for this request, verified by the next step (speculative decoding).
-    spec_token_ids: list[int] = field(default_factory=list)
-    # when the drafts branch: their tree (spec_token_ids are its nodes in order), verified by verification/tree.py
-    spec_tree: TokenTree | None = None
-    spec_draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), V] when the drafts were sampled
+    # What a proposer drafted (or, in the verified modes, the held tokens to check) for the next step to verify
+    draft: Draft = field(default_factory=lambda: Draft([]))
     # Acceptance policy (verification/policies.py): "exact" (lossless) unless the request or the engine asks for another.
     acceptance: str = "exact"
-    # The draft model's distribution at each draft position for the policies that read it (the untempered
-    # softmax for greedy requests, else spec_draft_probs' rows) and its entropy in nats
-    spec_draft_soft: torch.Tensor | None = None
-    spec_draft_entropy: list[float] = field(default_factory=list)
     relaxed_tokens: int = 0  # draft tokens kept only because a lossy policy relaxed the exact rule
 
     @property

@@ -66,9 +66,9 @@ class ModelRunner:
         items = []
         for s in sched.scheduled:
             req = s.request
-            drafts = req.spec_token_ids[: s.num_spec_tokens] if s.samples else []
+            drafts = req.draft.tokens[: s.num_spec_tokens] if s.samples else []
             tokens = req.all_token_ids[s.start: s.start + s.num_new_tokens] + drafts
-            tree = req.spec_tree if drafts and req.spec_tree is not None else None
+            tree = req.draft.tree if drafts else None
             items.append(SeqInput(req.request_id, tokens, s.start, 1 + len(drafts) if s.samples else 0,
                                   req.request_id in exact, tree))
         return self.run(items)

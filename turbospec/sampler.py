@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from turbospec.outputs import Logprob
+from turbospec.request import Request
 from turbospec.sampling_params import SamplingParams
 
 # Tokens whose preceding cumulative mass is within this of top_p count as
@@ -282,3 +284,25 @@ def positional_sample(logits: torch.Tensor, probs: torch.Tensor,
     top = scores.topk(2, dim=-1)
     margins = top.values[:, 0] - top.values[:, 1]
     return top.indices[:, 0].tolist(), margins
+
+
+def token_logprobs(reqs: list[Request], logits: torch.Tensor, tokens: torch.Tensor) -> list[dict[int, Logprob] | None]:
+    """Each row's sampled token with its log-prob and the request's top-n alternatives (None: not asked for)."""
+    wanted = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
+    if not wanted:
+        return [None] * len(reqs)
+    chosen, top_vals, top_ids = compute_logprobs(logits, tokens, max(wanted))
+    result: list[dict[int, Logprob] | None] = []
+    for i, req in enumerate(reqs):
+        n = req.params.logprobs
+        if n is None:
+            result.append(None)
+            continue
+        tok = int(tokens[i])
+        entry = {tok: Logprob(chosen[i].item())}
+        for rank, (value, alt) in enumerate(zip(top_vals[i, :n].tolist(), top_ids[i, :n].tolist()), start=1):
+            entry.setdefault(alt, Logprob(value, rank))
+            if alt == tok:
+                entry[tok].rank = rank
+        result.append(entry)
+    return result

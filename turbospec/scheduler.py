@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .draft import Draft
 from .kv.block_manager import BlockManager
 from .request import Request, RequestStatus
 
@@ -137,8 +138,7 @@ class Scheduler:
         self.blocks.free(req.request_id)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
-        req.spec_token_ids = []
-        req.spec_tree = None
+        req.draft = Draft([])
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)

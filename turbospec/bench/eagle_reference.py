@@ -1,14 +1,14 @@
 """The EAGLE proposer as it drafted before each tree node's entry was kept: every expanded row runs the draft layer
 over its whole window and path again. The reference the incremental `EagleProposer` is tested against
-(tests/test_heads.py) and timed against (benchmarks/eagle_draft_cost.py)."""
+(tests/proposers/test_heads.py) and timed against (benchmarks/eagle_draft_cost.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from ..request import Request
 from ..proposers.eagle import window_mask
 from ..proposers.head_proposer import EagleProposer, Rows, _Node
+from ..request import Request
 
 
 class RecomputingEagleProposer(EagleProposer):

@@ -15,7 +15,6 @@ import torch
 
 from ..host import hardware_name
 
-
 # the vector units that decide our kernels' paths (kernels/): results from CPUs of one model name differ by them
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 

@@ -30,9 +30,9 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from ..server.prometheus_text import METRICS_TIMEOUT_S, fetch_metrics, speculation_stats
-from ..data.prompts import BenchPrompt, load_mtbench, load_prompts, load_random, load_sharegpt
 from ..data.arrivals import arrival_offsets, parse_rates
+from ..data.prompts import BenchPrompt, load_mtbench, load_prompts, load_random, load_sharegpt
+from ..server.prometheus_text import METRICS_TIMEOUT_S, fetch_metrics, speculation_stats
 from .serve_client import RequestRecord, send_request
 from .serve_config import (DATASETS, DEFAULT_BASE_URL, DEFAULT_MAX_TOKENS, DEFAULT_RANDOM_INPUT_LEN,
                            DEFAULT_RANDOM_OUTPUT_LEN, ENDPOINTS, SLO_METRICS, BenchConfig)

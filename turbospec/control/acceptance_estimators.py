@@ -129,7 +129,7 @@ class RequestBeta(AcceptanceEstimator):
         would hold for good: traffic that shifts to text the draft predicts well (chat -> code) would never be
         drafted for. After `stale_after` steps without one, the global evidence ages towards the prior at the
         pace evidence decays, until the expected gain switches speculation back on and fresh verifications
-        decide (a probe every hundred-odd steps where drafting does not pay; tests/test_goodput.py)."""
+        decide (a probe every hundred-odd steps where drafting does not pay; tests/control/test_goodput.py)."""
         self._idle_steps = 0 if self._observed else self._idle_steps + 1
         self._observed = False
         if self._idle_steps > self.stale_after:
@@ -153,7 +153,7 @@ class PositionBeta(RequestBeta):
     A position is only seen when the controller drafts that far, so evidence about the positions it stopped
     drafting ages with every verification too (decayed towards the global rate): otherwise a shift (chat ->
     code) never reaches them, and a short k chosen on chat's figures stays chosen on code (a censoring trap,
-    tests/test_goodput.py). Valuing the level's uncertainty (E[L^j] for the j-th position rather than E[L]^j) was
+    tests/control/test_goodput.py). Valuing the level's uncertainty (E[L^j] for the j-th position rather than E[L]^j) was
     tried: in an ad hoc replay of the recorded traces (acceptance_estimators.py --replay, not committed) it
     raised this estimator's mean MAE from 2.10 to 2.19, so it is not used.
     """
@@ -163,7 +163,7 @@ class PositionBeta(RequestBeta):
     def __init__(self, prior: float = 0.6, prior_strength: float = 4.0, request_decay: float = 0.4,
                  global_decay: float = 0.98, max_positions: int = 16) -> None:
         # request_decay 0.4: acceptance is strongly autocorrelated (a copying stretch, then none), so the
-        # recent outcome predicts best; benchmarks/results/acceptance_estimators.md scores 0.2 .. 0.95
+        # recent outcome predicts best; benchmarks/results/acceptance_estimators/acceptance_estimators.md scores 0.2 .. 0.95
         super().__init__(prior, prior_strength, request_decay, global_decay)
         self._positions = [_Counts() for _ in range(max_positions)]
 
@@ -233,7 +233,7 @@ class NodeRank(AcceptanceEstimator):
     engine steps (the controller's choice, not the draft's failure) drifts with every further step towards its
     prior scaled by the global level: accepted nodes over what the priors predict for the counts held.
     Otherwise a controller that chose small trees on chat's figures would never see that code accepts its
-    deeper nodes (PositionBeta ages positions past the draft for the same trap; tests/test_goodput.py). Ranks
+    deeper nodes (PositionBeta ages positions past the draft for the same trap; tests/control/test_goodput.py). Ranks
     held now and then keep their evidence as it is: aging them too biased a mix of 2-, 4- and 8-node trees.
     """
 

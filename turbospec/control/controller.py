@@ -2,7 +2,7 @@
 the acceptance estimates into a draft length per decoding request.
 
 It is asked before the scheduler hands out tokens (``choose``), learns from every verification (``observe``)
-and from every measured step (``observe_step``, which also refits the step-time model online).
+and from every measured step (``record_step``; the step-time model rescales itself to measured steps too).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def widen_lone_request(ks: list[int], caps: list[int], budget: int) -> list[int]
     stay the caps (the stop may only cut them): the stop weighs one request's next draft forward against its own
     tokens, not the longer batched draft and verification every other request of the step would wait for.
 
-    At batch 1 widening is what makes the stop pay: benchmarks/results/adaptive_replay.md has auto with the stop at
+    At batch 1 widening is what makes the stop pay: benchmarks/results/adaptive_replay/adaptive_replay.md has auto with the stop at
     1.060x / 1.042x of the best fixed k (MT-Bench / HumanEval), where ad hoc replays of the same runs (not
     committed) read 1.025x / 0.989x with the controller's ks as caps, and widening every request lost up to 25% of
     the best fixed k's speed at batch 4."""

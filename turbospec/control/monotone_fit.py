@@ -7,7 +7,7 @@ Why: unconstrained fits of noisy profiles drew curves that dip. The brief profil
 its EAGLE draft (AMD EPYC, 2 threads) fitted 0.091 s - 2.5 ms x tokens up to a knot at 6, so a 6-token step read
 12 ms cheaper than a 1-token one; it measured 85-90 ms for 1 to 7 tokens at batch 1. The controller then verified
 5-node trees where 8 nodes cost the same, and trailed fixed 8-node EAGLE on HumanEval
-(benchmarks/results/proposer_zoo_qwen_zen5_eagle8_controller.md: 0.97x).
+(benchmarks/results/proposer_zoo/archive/2026-12-03-proposer_zoo_qwen_zen5_eagle8_controller.md: 0.97x).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 def is_free(column: str) -> bool:
     """Columns left unconstrained: the intercept "one", and "drafting" (a draft pass at all, whose fitted offset
     may be negative next to a per-level slope). Every other column is work, jumps included: the measured jump
-    where packed linears turn dense was a step up (tests/test_goodput.py), and a step down is the dip this
+    where packed linears turn dense was a step up (tests/control/test_goodput.py), and a step down is the dip this
     module exists to forbid (left free, a noisy re-profile fitted one at 9 tokens: ad hoc, that profile was not
     kept)."""
     return column in ("one", "drafting")

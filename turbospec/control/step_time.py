@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..host import write_text_atomically
 from ..attention_groups import gathered_slots
+from ..host import write_text_atomically
 from .monotone_fit import monotone_lstsq
 
 PARTS = ("target", "draft", "overhead")
@@ -52,7 +52,7 @@ class StepFeatures:
     # and k only picks how many of its nodes are verified
     drafting_requests: int = 0
     # levels those trees grew: one batched draft pass each, min(the drafter's depth, max k_i). qwen2.5-coder-1.5b's
-    # EAGLE draft (depth 4): 2.3, 4.3, 7.8 and 7.1 ms for k = 1, 2, 4 and 8 (benchmarks/results/eagle_draft_cost.md)
+    # EAGLE draft (depth 4): 2.3, 4.3, 7.8 and 7.1 ms for k = 1, 2, 4 and 8 (benchmarks/results/eagle_draft_cost/eagle_draft_cost.md)
     draft_levels: int = 0
     # cache slots attention reads, padding included: requests padded to the longest context of their attention
     # group (attention_groups.py). Computed from the requests added when first read (gathered_slots())
@@ -131,7 +131,7 @@ _TARGET_FORMS: list[tuple[str, ...]] = [
     *[("one", "tokens", f"hinge{k}", "kv", "attn") for k in HINGE_KNOTS],
     *[("one", "tokens", f"hinge{a}", f"hinge{b}", "kv") for a in PACKED_KNOTS for b in (16, 32, 64)],
     # the switch itself can be a step up: a smollm2 single decode took 45 ms at 4 tokens (int4) and 74 ms at 5
-    # (dense) on a Xeon, 1 thread (benchmarks/results/simulator_validation_profile.json), a jump no hinge fits
+    # (dense) on a Xeon, 1 thread (benchmarks/results/simulator_validation/simulator_validation_profile.json), a jump no hinge fits
     *[("one", "tokens", f"jump{a}", f"hinge{a}", f"hinge{b}", "kv") for a in PACKED_KNOTS for b in (16, 32, 64)],
 ]
 CANDIDATES: dict[str, list[tuple[str, ...]]] = {
@@ -342,8 +342,8 @@ class StepTimeModel:
         chose, so they cannot tell slopes apart: a controller settled on one k sees that k and prefill chunks,
         nothing in between. A least-squares refit on them (as `refit` does) raised the price of a verified node
         many times over (qwen2.5-coder-1.5b, EAGLE, batch 1, where verifying 1 to 8 nodes costs the same:
-        benchmarks/results/eagle_draft_cost.md), and the controller then cut 8-node trees to 2 nodes on every
-        HumanEval step (benchmarks/results/proposer_zoo_qwen_zen5_eagle8.json) and lost their accepted tokens. A
+        benchmarks/results/eagle_draft_cost/eagle_draft_cost.md), and the controller then cut 8-node trees to 2 nodes on every
+        HumanEval step (benchmarks/results/proposer_zoo/archive/2026-12-03-proposer_zoo_qwen_zen5_eagle8.json) and lost their accepted tokens. A
         machine that slows down or speeds up moves
         every step alike, which the level follows. The median: one step stalled by the OS does not move it."""
         for name, fitted in self._fitted.items():

@@ -2,7 +2,7 @@
 batch, where the row sits, how its prompt was chunked and how many of its tokens one forward computes.
 
 What breaks invariance here, and the fix for each (measured with torch 2.13 on this machine's CPU; the tests in
-tests/test_determinism.py check each claim):
+tests/determinism/test_determinism.py check each claim):
 - ``F.linear`` and matmul pick other kernels for a handful of rows, so a row's result can depend on how many
   rows the call has (seen in ad-hoc probes for small M in fp32); calls whose M is a multiple of 16 agreed.
   So linears, and the rows of attention's matmuls, are padded to a multiple of 16.
@@ -25,7 +25,7 @@ The needle tests check the whole engine either way.
 On CPUs whose best vector unit is AVX2 (no bf16 arithmetic; `kernels.bf16_rows_invariant`), bf16 linears run
 our bf16 kernel (kernels/bf16_rows.cpp) instead: it sums each row in one fixed order whatever the call, so the
 linears need neither padding nor chunks there and cost what they cost in the default mode (the mode's remaining
-overhead there is attention's: benchmarks/results/determinism_overhead_avx2_ours.md).
+overhead there is attention's: benchmarks/results/determinism_overhead/determinism_overhead_avx2_ours.md).
 """
 
 from __future__ import annotations

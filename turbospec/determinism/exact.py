@@ -32,17 +32,18 @@ live under their own salt, so their context starts exact.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from ..outputs import Logprob
+from ..config import EngineConfig
+from ..draft import Draft
+from ..models.tokenizer import Tokenizer
+from ..outputs import Emitted, Logprob
 from ..request import Request
-from ..sampler import SamplingBatch, positional_sample, processed_probs
-
-if TYPE_CHECKING:
-    from ..engine import LLMEngine
+from ..sampler import SamplingBatch, positional_sample, processed_probs, token_logprobs
+from ..scheduler import ScheduledRequest, SchedulerOutput
 
 VERIFIED_MODES = ("llm42", "margin-gate")
 COMPETITORS = 8  # calibration: the runner-up tokens whose score gaps to the top token are watched
@@ -51,7 +52,6 @@ AUTO_WINDOW_MIN = 4
 # prior for the auto window: one mismatch in PRIOR_TOKENS checked tokens, a window costing PRIOR_STEPS steps
 PRIOR_TOKENS = 200
 PRIOR_STEPS = 0.5
-Emitted = list[tuple[int, "dict[int, Logprob] | None"]]
 
 
 @dataclass
@@ -85,11 +85,15 @@ class DeterminismStats:
 
 
 class ExactDecoding:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self._threshold = engine.config.margin_threshold
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, max_model_len: int,
+                 rollback: Callable[[Request, int], None]) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.rollback = rollback  # the proposer forgets what it computed past a cut (llm42 mismatches)
+        self._threshold = config.margin_threshold
         self.stats = DeterminismStats()
-        self.fixed_window = None if engine.config.verify_window == "auto" else int(engine.config.verify_window)
+        self.fixed_window = None if config.verify_window == "auto" else int(config.verify_window)
+        self.exact_ids: set[str] = set()  # requests this step computes on the invariant path
         # measured for the auto window: seconds of steps with and without llm42 checks, and windows checked
         self._check_steps = [0.0, 0]
         self._plain_steps = [0.0, 0]
@@ -99,21 +103,17 @@ class ExactDecoding:
 
     @property
     def threshold(self) -> float:
-        """The margin below which margin-gate re-checks a token: the configured one, or the calibrated one
-        (calibrated now, and cached, when this model has none)."""
+        """The margin below which margin-gate re-checks a token: configured, or calibrated by turbospec.tuning."""
         if self._threshold is None:
-            from ..tuning.margin_calibration import load_or_calibrate  # runs a private engine: only when margin-gate is used
-
-            self._threshold = load_or_calibrate(self.engine).threshold
+            raise ValueError("margin-gate has no threshold: calibrate one (turbospec.tuning.ensure_margin_threshold, "
+                             "or `turbospec calibrate-margin`) or configure margin_threshold")
         return self._threshold
 
-    def has_threshold(self) -> bool:
-        """Whether margin-gate can start without calibrating (a configured or cached threshold)."""
-        if self._threshold is not None:
-            return True
-        from ..tuning.margin_calibration import MarginCalibration, calibration_path
+    def set_threshold(self, value: float) -> None:
+        self._threshold = value
 
-        return MarginCalibration.load(calibration_path(self.engine)) is not None
+    def has_threshold(self) -> bool:
+        return self._threshold is not None
 
     # --- which rows run exact ----------------------------------------------------------------------------
 
@@ -122,6 +122,23 @@ class ExactDecoding:
         """Whether this step computes the request on the invariant path: a verified-mode request's prefill
         chunks, and the step that checks its held tokens."""
         return req.determinism in VERIFIED_MODES and (start < len(req.prompt_token_ids) or bool(req.check_tokens))
+
+    def begin_step(self, sched: SchedulerOutput) -> int:
+        """Mark the requests this step computes on the invariant path, and load held tokens as their drafts
+        (checked by riding along); returns the llm42 windows this step checks."""
+        self.exact_ids = {s.request.request_id for s in sched.scheduled if self.runs_exact(s.request, s.start)}
+        windows = 0
+        for s in sched.scheduled:
+            if s.request.check_tokens:
+                s.request.draft = Draft(s.request.check_tokens[: s.num_spec_tokens] if s.samples else [])
+                windows += s.request.determinism == "llm42"
+        return windows
+
+    def before_commit(self, s: ScheduledRequest, accepted: int) -> None:
+        """Advance the leading KV the invariant path computed (margin-gate re-checks from there)."""
+        req = s.request
+        if req.request_id in self.exact_ids and (s.start < len(req.prompt_token_ids) or s.start <= req.num_exact_kv):
+            req.num_exact_kv = s.start + s.num_new_tokens + accepted
 
     # --- sampling and verification ---------------------------------------------------------------------------
 
@@ -146,7 +163,7 @@ class ExactDecoding:
         for p in rows:
             r = p.request
             target = tokens[pos: pos + p.num_rows]
-            drafts = r.spec_token_ids[: p.num_rows - 1]
+            drafts = r.draft.tokens[: p.num_rows - 1]
             accepted = 0
             while accepted < len(drafts) and drafts[accepted] == target[accepted]:
                 accepted += 1
@@ -162,7 +179,7 @@ class ExactDecoding:
                         emitted, accepted = emitted[:low], min(accepted, low)
             results[r.request_id] = (emitted, accepted, [p.row_start + j for j in range(len(emitted))])
             pos += p.num_rows
-        return self._with_logprobs(results, logits)
+        return self._with_logprobs(results, {p.request.request_id: p.request for p in rows}, logits)
 
     def _count_check(self, r: Request, num_checked: int, accepted: int, invariant: bool) -> None:
         """Held tokens were checked (as drafts on the invariant path; or, if the scheduler had no room for
@@ -178,16 +195,16 @@ class ExactDecoding:
             self.stats.rollbacks += accepted < held
         r.check_tokens = []
 
-    def _with_logprobs(self, results: dict[str, tuple[list[int], int, list[int]]], logits: torch.Tensor
-                       ) -> dict[str, tuple[Emitted, int]]:
-        reqs = self.engine.requests
+    @staticmethod
+    def _with_logprobs(results: dict[str, tuple[list[int], int, list[int]]], reqs: dict[str, Request],
+                       logits: torch.Tensor) -> dict[str, tuple[Emitted, int]]:
         wanted = [rid for rid in results if reqs[rid].params.logprobs is not None and results[rid][0]]
         lps: dict[str, list[dict[int, Logprob] | None]] = {}
         if wanted:
             row_reqs = [reqs[rid] for rid in wanted for _ in results[rid][0]]
             rows = torch.tensor([r for rid in wanted for r in results[rid][2]], device=logits.device)
             flat = torch.tensor([t for rid in wanted for t in results[rid][0]], device=logits.device)
-            computed = self.engine._logprobs(row_reqs, logits[rows], flat)
+            computed = token_logprobs(row_reqs, logits[rows], flat)
             pos = 0
             for rid in wanted:
                 n = len(results[rid][0])
@@ -204,14 +221,13 @@ class ExactDecoding:
         p = req.params
         finishing = (
             any(t in req.eos_token_ids or t in p.stop_token_ids for t in tokens)
-            or req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.engine.max_model_len
+            or req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len
             or self._stop_string_in_tail(req)
         )
         if finishing or len(req.unverified_token_ids) >= self.window:
             held = req.unverified_token_ids
             req.unverified_token_ids, req.check_tokens = [], held
-            if self.engine.proposer is not None:
-                self.engine.proposer.rollback(req, req.num_tokens)
+            self.rollback(req, req.num_tokens)
 
     def rewind(self, req: Request) -> None:
         """After the scheduler committed this step: a request with check tokens recomputes from its last exact
@@ -225,7 +241,7 @@ class ExactDecoding:
         if not req.params.stop:
             return False
         longest = max(len(s) for s in req.params.stop)
-        text = req.detokenizer.text[-longest:] + self.engine.tokenizer.decode(req.unverified_token_ids, False)
+        text = req.detokenizer.text[-longest:] + self.tokenizer.decode(req.unverified_token_ids, False)
         return any(s in text for s in req.params.stop)
 
     # --- llm42's window ------------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ import torch
 
 from ..host import best_ms, hardware_name, measured_once, turbospec_home
 
-
 log = logging.getLogger("turbospec.kernels")
 
 SOURCES = [Path(__file__).with_name(name)
@@ -176,7 +175,7 @@ BF16_PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
 # each timed call runs the product over copies of the weight adding up to BF16_PROBE_BYTES, more than a CPU's
 # last-level cache. One 6 MB weight stays in cache, where torch's packed product is at its best: on an AMD EPYC
 # with AVX512_BF16 (2026-12-03) the cached probe stopped our kernel at 8 rows (ad hoc; streamed: 16-24), while on
-# the model's weights it was 2-3x faster than torch's from 4 to 16 rows (benchmarks/results/bf16_rows_avx512bf16.md),
+# the model's weights it was 2-3x faster than torch's from 4 to 16 rows (benchmarks/results/bf16_rows/bf16_rows_avx512bf16.md),
 # so a 9-row verification ran torch's.
 BF16_STREAMED_ROWS = 32
 BF16_PROBE_BYTES = 96 << 20

@@ -3,7 +3,7 @@
 //
 // Why our own: on CPUs without bf16 arithmetic (AVX2, AVX-512 without AVX512_BF16) torch's bf16 matmul costs
 // about one single-row product per row (1536x8960 on an AVX2 EPYC, 2026-12-02: 1.78 ms at 1 row, 14.9 at 9, 420 at
-// 256; benchmarks/results/bf16_rows.md), so verifying a draft of 8 tokens cost 8 decode steps and speculation could
+// 256; benchmarks/results/bf16_rows/bf16_rows.md), so verifying a draft of 8 tokens cost 8 decode steps and speculation could
 // not win there. Here each weight row is read once per chunk of activation rows and widened to float32 in
 // registers (a bf16 value is the top half of a float32), then multiplied into up to 6 rows at once: few-row calls
 // stay bound by reading the weights, like a one-row call, and many-row calls run near the CPU's FMA peak.
@@ -15,7 +15,7 @@
 //
 // CPUs with AVX512_BF16 but no AMX (AMD Zen 4, 2026-12-03) take a second path: torch's bf16 product does not
 // stream the weights once for a few rows there either (17920x1536, qwen2.5-coder-1.5b's gate/up: 2.45 ms at 9 rows
-// against 0.73 for one row with this path; benchmarks/results/bf16_rows_avx512bf16.md). `vdpbf16ps` multiplies 32 bf16 weights by 32
+// against 0.73 for one row with this path; benchmarks/results/bf16_rows/bf16_rows_avx512bf16.md). `vdpbf16ps` multiplies 32 bf16 weights by 32
 // bf16 inputs into 16 float32 sums in one instruction, so x stays bf16 (no widening) and a 4 x 6 tile of sums fits
 // in the 32 registers. Same guarantee: each output is summed over 32-input blocks in order (the tail masked into
 // the last block), then its 16 lanes reduced in a fixed order, whatever M, the tiling or the threads. The two

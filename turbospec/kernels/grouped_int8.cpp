@@ -25,7 +25,7 @@ constexpr int64_t kGroup = 16;
 // ROWS activation rows against one weight row; ROWS is a template argument so the accumulators stay in
 // registers. A multiply-add waits for the previous one into the same accumulator (4 cycles), so with fewer than
 // four rows each row gets several accumulators (groups taken in turn): one accumulator made a one-row call
-// latency-bound (1536x8960: 0.75 -> 0.51 ms, benchmarks/results/int8_kernel_ab.md).
+// latency-bound (1536x8960: 0.75 -> 0.51 ms, benchmarks/results/int8_kernel_ab/int8_kernel_ab.md).
 template <int ROWS>
 inline void dot_rows(const float* x, int64_t x_stride, const int8_t* q, const float* s, int64_t groups,
                      float* out, int64_t out_stride) {

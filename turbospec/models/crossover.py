@@ -5,7 +5,7 @@ the same random activations for 1..32 rows, and keep the largest row count up to
 at every count. Nothing is hard-coded: on a CPU where the int4 kernel loses even at one row, the crossover
 is 0 and the linear runs dense. Then the prefill sizes (64, 128, 256 rows): where packed wins at all of them
 (our AMX kernel expands the weights once per call and runs a GEMM: it reads a quarter of the bytes; the prefill
-column of results/weight_formats.md), calls from 64 rows on run packed too.
+column of results/weight_formats/weight_formats.md), calls from 64 rows on run packed too.
 Measured once per (signature, dtype, threads, hardware, torch); a 1.5B model's six signatures take a few seconds.
 """
 

@@ -51,7 +51,7 @@ class RowLinear(nn.Linear):
 
     def partials(self, x: torch.Tensor) -> Iterator[torch.Tensor]:
         """Invariant partial products of x @ weight.T, one per group slice of the input columns this linear
-        holds (views: a slice's row stride does not change the bits, tests/test_tensor_parallel.py)."""
+        holds (views: a slice's row stride does not change the bits, tests/engine/test_tensor_parallel.py)."""
         w = self.group_width
         for lo in range(0, self.in_features, w):
             yield row_linear(x[:, lo:lo + w], self.weight[:, lo:lo + w], invariant=True)

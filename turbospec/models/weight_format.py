@@ -40,9 +40,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from ..host import replace_atomically
 from .. import kernels
 from ..config import WEIGHT_FORMATS
+from ..host import replace_atomically
 from . import gguf_blocks
 from .crossover import GEMM_ROWS, CrossoverCache, cache_path
 from .gguf_loader import _unpermute_rope, hf_name, open_reader, read_metadata

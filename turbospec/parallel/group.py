@@ -24,8 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..config import EngineConfig
 from ..models.llama import CausalLM
-from .comm import Communicator, TensorParallelError
+from .comm import Communicator, TensorParallelError, backend_for
 from .plan import ShardPlan
 from .shard import shard_model
 from .worker import STORE_TIMEOUT, WorkerSpec
@@ -163,3 +164,14 @@ def _stop_workers(procs: list[subprocess.Popen[bytes]], conns: list[Connection])
         except subprocess.TimeoutExpired:  # e.g. waiting in a collective rank 0 will never join
             proc.kill()
             proc.wait(timeout=5)
+
+
+def start_tensor_parallel(config: EngineConfig, model: CausalLM, kv_layers: KVLayers, num_blocks: int,
+                          dtype: torch.dtype, compute_dtype: torch.dtype) -> TensorParallelGroup:
+    """The other ranks of an engine started with tensor_parallel_size > 1, this process being rank 0."""
+    spec = WorkerSpec(model=config.model, dtype=str(dtype).removeprefix("torch."),
+                      compute_dtype=str(compute_dtype).removeprefix("torch."), device=config.device,
+                      threads=config.threads, world=config.tensor_parallel_size, num_blocks=num_blocks,
+                      block_size=config.block_size, store_host="127.0.0.1", store_port=0,
+                      backend=backend_for(config.device))
+    return TensorParallelGroup(spec, model, kv_layers)

@@ -3,28 +3,12 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 import torch
 
+from ..draft import Draft
 from ..request import Request
 from ..verification.tree import TokenTree
-
-
-@dataclass
-class Draft:
-    tokens: list[int]
-    # [len(tokens), V]: the distribution each token was sampled from. None for deterministic proposers
-    # (n-gram lookup, or greedy drafting): the verifier then treats q as one-hot at the token.
-    probs: torch.Tensor | None = None
-    # For acceptance policies that read the draft's distribution (verification/lossy.py): [len(tokens), V] rows
-    # (untempered softmax for greedy requests). entropies: the draft entropy (nats) at each token a stop rule
-    # read (AdaSD's generation rule, the confidence stop), which verification feeds back into its table. None
-    # when neither applies.
-    soft_probs: torch.Tensor | None = None
-    entropies: list[float] | None = None
-    # when the candidates branch: their tree, whose nodes in order are `tokens` (verification/tree.py); None for a chain
-    tree: TokenTree | None = None
 
 
 class Proposer(ABC):
@@ -41,6 +25,13 @@ class Proposer(ABC):
     ranks_nodes = False
     # a tree drafter's deepest level: it grows trees level by level, min(this, k) passes (0: not a tree drafter)
     tree_levels = 0
+    # True when proposing costs nothing (a lookup in the request's own tokens): under the goodput controller the
+    # lookups are made first, and the controller chooses how many of the found tokens to verify
+    free_lookups = False
+    # True when a draft can end where the drafter turns unsure; `confidence_stop` says whether this step's drafts
+    # do (set before each propose: auto mode with SpeculativeConfig.draft_stop "confidence")
+    stops_when_unsure = False
+    confidence_stop = False
 
     def draft_levels(self, max_k: int) -> int:
         """The levels a tree drafter grows for a step whose largest k is max_k: a tree of k nodes is at most k

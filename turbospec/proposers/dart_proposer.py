@@ -15,10 +15,10 @@ from collections import Counter
 
 import torch
 
+from ..draft import Draft
 from ..request import Request
 from .dart import DartDraft, NgramScorer
 from .head_proposer import EagleProposer, Rows, _Node
-from .base import Draft
 
 
 class DartProposer(EagleProposer):

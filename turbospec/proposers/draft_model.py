@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..draft import Draft
 from ..kv.block_manager import BlockManager
 from ..kv.kv_cache import KVCache
 from ..models.loader import LoadedModel
@@ -26,9 +27,9 @@ from ..request import Request
 from ..runner import ModelRunner, SeqInput
 from ..sampler import SamplingBatch, processed_probs, sample
 from ..verification.lossy import AdaptiveThresholds, entropy
-from .draft_vocab import DraftVocabulary
 from ..verification.policies import DRAFT_DISTRIBUTION_POLICIES, STOPS_DRAFTING
-from .base import Draft, Proposer
+from .base import Proposer
+from .draft_vocab import DraftVocabulary
 
 _PROBE = "def greet(name):\n    return f'Hello, {name}!'  # naïve café ✓ 12345"
 
@@ -51,6 +52,7 @@ class _Pending:
 class DraftModelProposer(Proposer):
     # the engine counts catch-up + k - 1 draft-model tokens per drafting request for the step-time model
     runs_model = True
+    stops_when_unsure = True  # lossless requests stop drafting where the draft turns unsure (draft_more)
     model: LoadedModel | None = None  # the separate draft model (None when the target drafts for itself)
 
     def __init__(self, runner: ModelRunner, thresholds: AdaptiveThresholds | None = None) -> None:
@@ -60,9 +62,6 @@ class DraftModelProposer(Proposer):
         self.computed: dict[str, int] = {}
         self.pending: dict[str, _Pending] = {}
         self.vocab: DraftVocabulary | None = None  # a cut draft vocabulary (draft_vocab.py); None: the full head
-        # set by the engine for each call: lossless requests stop drafting where the draft turns unsure
-        # (AdaptiveThresholds.draft_more); their k is then a cap
-        self.confidence_stop = False
 
     @classmethod
     def for_model(cls, loaded: LoadedModel, num_blocks: int, block_size: int, dtype: torch.dtype, device: str,

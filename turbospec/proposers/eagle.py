@@ -71,7 +71,7 @@ class EagleDraft(nn.Module):
         h, r = config.hidden_size, config.rank
         features = (len(config.feature_layers) + 1) * h
         # RowLinear: at inference, in bf16, our rows kernel (the draft's products are a few rows, where it beats
-        # torch's: benchmarks/results/bf16_rows*.md); in training it is nn.Linear
+        # torch's: benchmarks/results/bf16_rows/bf16_rows*.md); in training it is nn.Linear
         self.fuse_down, self.fuse_up = RowLinear(features, r), RowLinear(r, h)
         self.in_down, self.in_up = RowLinear(2 * h, r), RowLinear(r, h)
         self.norm1 = nn.Parameter(torch.ones(h))

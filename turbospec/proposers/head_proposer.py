@@ -21,11 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..draft import Draft
 from ..request import Request
+from ..verification.tree import TokenTree
+from .base import Proposer
 from .eagle import EagleDraft, window_mask
 from .heads import DraftHeads
-from .base import Draft, Proposer
-from ..verification.tree import TokenTree
 
 Rows = list[tuple[int, int]]  # (request index, node index or -1 for the root) to expand at one depth
 

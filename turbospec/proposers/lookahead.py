@@ -21,9 +21,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from ..draft import Draft
 from ..request import Request
-from .base import Draft, Proposer
 from ..verification.tree import TokenTree
+from .base import Proposer
 
 
 @dataclass

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..draft import Draft
 from ..request import Request
-from .base import Draft, Proposer
+from .base import Proposer
 
 __all__ = ["NgramProposer", "ngram_propose"]
 
@@ -70,6 +71,8 @@ def ngram_propose(tokens: np.ndarray | Sequence[int], k: int, n_min: int, n_max:
 class NgramProposer(Proposer):
     """Prompt lookup with n-gram sizes ``n_min..n_max``: free proposals, so the controller only chooses how
     many of them to verify."""
+
+    free_lookups = True
 
     def __init__(self, n_min: int, n_max: int) -> None:
         # Reported with the user-facing option names, since that is what they set.

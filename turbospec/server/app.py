@@ -16,14 +16,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import LLMEngine
 from .async_engine import AsyncEngine
-from .errors import (
-    APIError,
-    api_error_handler,
-    bad_request,
-    http_error_handler,
-    internal_error_handler,
-    validation_error_handler,
-)
+from .errors import (APIError, api_error_handler, bad_request, http_error_handler, internal_error_handler,
+                     validation_error_handler)
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .serving import OpenAIServing

@@ -116,7 +116,7 @@ class ServerMetrics:
             self.e2e.labels(m).observe(now - timing.arrival)
 
     def _observe_spec(self, engine: LLMEngine) -> None:
-        m, s, seen = self.model_name, engine.spec_stats, self._spec_seen
+        m, s, seen = self.model_name, engine.speculation.stats, self._spec_seen
         current = {"drafts": s.num_drafts, "draft_tokens": s.num_draft_tokens, "accepted": s.num_accepted_tokens,
                    "relaxed": s.num_relaxed_tokens, "preemptions": engine.scheduler.num_preemptions}
         if current["drafts"] < seen["drafts"]:  # the engine's statistics were reset: start counting again
@@ -137,8 +137,8 @@ class ServerMetrics:
             for _ in range(count - before):
                 self.chosen_k.labels(m).observe(k)
         self._k_seen = list(s.k_histogram)
-        if engine.controller is not None:
-            stats = engine.controller.stats
+        if engine.speculation.controller is not None:
+            stats = engine.speculation.controller.stats
             if stats.last_acceptance is not None:
                 self.acceptance_estimate.labels(m).set(stats.last_acceptance)
             self.step_time_error.labels(m).set(stats.as_dict()["step_time_mean_relative_error"] or 0.0)

@@ -133,11 +133,11 @@ def _parse(value: str, annotation: str) -> Any:
 @serve.deployment(name="TurboSpecReplica")
 class TurboSpecReplica:
     async def __init__(self, engine_options: dict[str, Any], model_name: str, max_pending: int) -> None:
-        from ..engine import LLMEngine
+        from ..tuning import build_engine
         from .app import build_app
 
         config = EngineConfig(**engine_options)
-        engine = await asyncio.to_thread(LLMEngine, config, None, False)  # loading blocks: off the event loop
+        engine = await asyncio.to_thread(build_engine, config, None, False)  # loading blocks: off the event loop
         self.app = build_app(engine, model_name, max_pending)
         self.async_engine = self.app.state.async_engine
         self._lifespan = self.app.router.lifespan_context(self.app)

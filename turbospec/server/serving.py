@@ -85,7 +85,7 @@ class OpenAIServing:
         except UnsupportedValue as exc:
             raise bad_request(str(exc), exc.param) from exc
         try:
-            determinism = self.engine.engine.request_determinism(req.deterministic, calibrate=False)
+            determinism = self.engine.engine.request_determinism(req.deterministic)
         except ValueError as exc:
             raise bad_request(str(exc), "deterministic") from exc
         try:

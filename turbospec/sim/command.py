@@ -12,25 +12,15 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..host import turbospec_home
-from ..data.arrivals import parse_rates
 from ..config import check_positive, int_list
+from ..data.arrivals import parse_rates
+from ..host import turbospec_home
 from .draft_outcomes import AcceptanceModel, PositionRates, TraceReplay, load_trace, rates_from_trace
 from .replica import SpecPolicy
 from .router import ROUTERS
 from .simulator import Deployment, simulate
-from .step_cost import (
-    H200,
-    SHAPES,
-    RooflineAssumptions,
-    StepCost,
-    StepOverhead,
-    find_profiles,
-    load_profile,
-    mean_level,
-    profile_for_key,
-    roofline_model,
-)
+from .step_cost import (H200, SHAPES, RooflineAssumptions, StepCost, StepOverhead, find_profiles, load_profile,
+                        mean_level, profile_for_key, roofline_model)
 from .workload import Lengths, SimRequest, fixed_lengths, load_recorded, sharegpt_lengths, with_arrivals
 
 DATASETS = ("sharegpt", "mtbench", "fixed")
@@ -68,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--proposer", default="ngram", choices=["ngram", "draft"],
                    help="ngram: free proposals (the controller chooses how many to verify); draft: a draft model")
     s.add_argument("--acceptance-trace", default=None, metavar="JSON",
-                   help="[request_id, drafts, accepted] records (engine.verify_trace); per-position rates are "
+                   help="[request_id, drafts, accepted] records (engine.speculation.verify_trace); per-position rates are "
                         "estimated from them")
     s.add_argument("--replay", action="store_true",
                    help="replay each request's own records in order (the trace's request ids must be the "

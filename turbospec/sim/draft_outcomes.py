@@ -11,7 +11,7 @@ Three sources:
   where in the answer the draft starts: while its drafts match, it reads the answer's own tokens. So each
   position's run, measured once teacher-forced, replays any policy exactly (no censoring: a k never tried is
   still known). ``benchmarks/adaptive_replay.py`` records them.
-- ``TraceReplay``: the recorded outcome sequence of each request, in order (records as ``engine.verify_trace``
+- ``TraceReplay``: the recorded outcome sequence of each request, in order (records as ``engine.speculation.verify_trace``
   writes them, with (request, 0, 0) for decoding steps that verified nothing). The faithful choice when
   simulating the very requests that were recorded; a request without records falls back to rates.
 - ``PositionRates``: per-position conditional acceptance and the share of steps with a proposal, estimated
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-TraceRecord = tuple[str, int, int]  # (request id, drafts verified, drafts accepted), as engine.verify_trace
+TraceRecord = tuple[str, int, int]  # (request id, drafts verified, drafts accepted), as engine.speculation.verify_trace
 
 
 @dataclass(frozen=True)

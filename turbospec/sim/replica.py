@@ -16,8 +16,8 @@ import numpy as np
 from ..control.acceptance_estimators import DEFAULT_ESTIMATOR, make_estimator
 from ..control.controller import Candidate, GoodputController, base_step, widen_lone_request
 from ..control.step_time import StepFeatures
-from .draft_outcomes import AcceptanceModel, Outcome
 from .batching import BatchScheduler, LiveRequest, Scheduled
+from .draft_outcomes import AcceptanceModel, Outcome
 from .step_cost import StepCost
 from .workload import SimRequest
 
@@ -29,7 +29,7 @@ class SpecPolicy:
     """mode "off": k = 0; "fixed": every decoding request verifies up to k drafts; "auto": the goodput
     controller picks 0..k per request each step. free_proposals: the proposer is a lookup (n-gram) whose
     drafts exist before the choice, so the controller chooses how many to verify and also learns whether the
-    next lookup token would have matched (engine._observe_acceptance)."""
+    next lookup token would have matched (Speculation._observe_acceptance)."""
 
     mode: str = "off"
     k: int = 0
@@ -183,7 +183,7 @@ class Replica:
     # --- speculation -------------------------------------------------------------------------------------
 
     def _spec_budget(self, decoding: list[LiveRequest]) -> dict[str, int]:
-        """Draft slots per decoding request: the fixed k, or the controller's choice (engine._spec_budget)."""
+        """Draft slots per decoding request: the fixed k, or the controller's choice (Speculation.budget)."""
         assert self.acceptance is not None
         # never draft past the output length: the last token is always the verifier's own
         caps = [max(0, min(self.policy.k, r.remaining_output - 1)) for r in decoding]

@@ -23,17 +23,9 @@ import torch
 
 from ..proposers.dart import DartConfig, DartDraft, ngram_table
 from ..proposers.eagle import EagleDraft
-from .eagle import WINDOW, FlatExamples, features_path, flat_examples, position_loss, target_features
-from .heads import (
-    TrainHeadOptions,
-    cached,
-    data_description,
-    split_answers,
-    train_loop,
-    vocab_remap,
-    work_dir,
-)
 from ..proposers.heads import file_sha256
+from .eagle import WINDOW, FlatExamples, features_path, flat_examples, position_loss, target_features
+from .heads import TrainHeadOptions, cached, data_description, split_answers, train_loop, vocab_remap, work_dir
 
 if TYPE_CHECKING:
     from ..engine import LLMEngine

@@ -23,20 +23,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..runner import SeqInput
 from ..proposers.eagle import EagleConfig, EagleDraft, default_feature_layers
-from .heads import (
-    IGNORE,
-    PROMPT_SKIP,
-    TrainHeadOptions,
-    cached,
-    data_description,
-    split_answers,
-    train_loop,
-    vocab_remap,
-    work_dir,
-)
 from ..proposers.heads import file_sha256
+from ..runner import SeqInput
+from .heads import (IGNORE, PROMPT_SKIP, TrainHeadOptions, cached, data_description, split_answers, train_loop,
+                    vocab_remap, work_dir)
 
 if TYPE_CHECKING:
     from ..engine import LLMEngine

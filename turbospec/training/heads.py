@@ -35,9 +35,9 @@ from torch import nn
 from tqdm import tqdm
 
 from ..host import turbospec_home
+from ..proposers.heads import DraftHeads, HeadConfig
 from ..runner import SeqInput
 from ..sampling_params import SamplingParams
-from ..proposers.heads import DraftHeads, HeadConfig
 
 if TYPE_CHECKING:
     from ..engine import LLMEngine

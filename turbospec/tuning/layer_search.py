@@ -26,23 +26,21 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
-from ..host import write_text_atomically
 from ..attention import AttentionMetadata, AttnGroup
-from .profiler import profile_key, profile_path
-from .margin_calibration import calibration_prompts
+from ..config import EngineConfig
+from ..engine import LLMEngine
+from ..host import write_text_atomically
 from ..kv.block_manager import BlockManager
 from ..kv.kv_cache import KVCache
+from ..proposers.layer_skip import SkippingModel, kept_layers
 from ..runner import ModelRunner, SeqInput
 from ..sampling_params import SamplingParams
-from ..proposers.layer_skip import SkippingModel, kept_layers
-
-if TYPE_CHECKING:
-    from ..engine import LLMEngine
+from .margin_calibration import calibration_prompts
+from .profiler import profile_key, profile_path
 
 log = logging.getLogger(__name__)
 
@@ -173,8 +171,6 @@ def measured_cost(scorer: _Scorer, num_layers: int) -> tuple[float, float]:
 
 def answered_prompts(engine: LLMEngine, num_prompts: int, max_tokens: int) -> tuple[list[tuple[list[int], int]], str]:
     """The target's own greedy answers to held-out prompts, on a private engine sharing its weights."""
-    from ..config import EngineConfig
-    from ..engine import LLMEngine
 
     c = engine.config
     config = EngineConfig(c.model, dtype=c.dtype, num_threads=c.num_threads, device=c.device, seed=c.seed,

@@ -18,17 +18,15 @@ import json
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from ..host import write_text_atomically
-from .profiler import profile_key, profile_path
-from ..sampling_params import SamplingParams
+from ..config import EngineConfig
 from ..determinism.exact import gap_drift
-
-if TYPE_CHECKING:
-    from ..engine import LLMEngine
+from ..engine import LLMEngine
+from ..host import write_text_atomically
+from ..sampling_params import SamplingParams
+from .profiler import profile_key, profile_path
 
 CALIBRATION_SKIP = 5000
 BATCH_SIZES = (1, 3, 8, 16)
@@ -92,8 +90,6 @@ def calibration_prompts(n: int) -> tuple[list[str], str]:
 def calibrate(engine: LLMEngine, num_prompts: int = 16, max_tokens: int = 64, safety: float = 2.0,
               progress: bool = True, seed: int = 0) -> MarginCalibration:
     """Measure drift on a private engine that shares `engine`'s weights, and return (not save) the result."""
-    from ..config import EngineConfig
-    from ..engine import LLMEngine
     from ..runner import SeqInput
 
     c = engine.config
@@ -101,7 +97,7 @@ def calibrate(engine: LLMEngine, num_prompts: int = 16, max_tokens: int = 64, sa
                           max_model_len=min(engine.max_model_len, 2048), max_num_seqs=max(BATCH_SIZES),
                           kv_cache_memory_gib=0.5, enable_prefix_caching=False)
     private = LLMEngine(config, loaded=engine.loaded, progress=False)
-    private.logit_trace = {}
+    private.verifier.logit_trace = {}
     texts, source = calibration_prompts(num_prompts)
     tok = private.tokenizer
     ids = [tok.apply_chat_template([{"role": "user", "content": t}]) if getattr(tok, "has_chat_template", False)
@@ -126,7 +122,7 @@ def calibrate(engine: LLMEngine, num_prompts: int = 16, max_tokens: int = 64, sa
             private.blocks.allocate("exact", tokens, len(tokens) - 1)
             exact = private.runner.run([SeqInput("exact", tokens[:-1], 0, n, invariant=True)]).logits
             private.blocks.free("exact")
-            for (top_ids, top_scores), row in zip(private.logit_trace.pop(rid), exact):
+            for (top_ids, top_scores), row in zip(private.verifier.logit_trace.pop(rid), exact):
                 log.append(((top_scores[0] - top_scores[1]).item(), gap_drift(top_ids, top_scores, row),
                             int(row.argmax()) != int(top_ids[0])))
         bar.update(len(batch))

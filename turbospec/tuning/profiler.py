@@ -3,9 +3,9 @@ hardware (``turbospec profile``, or a brief run the first time the controller ne
 
 Every grid point runs real ``engine.step()`` calls: B requests with their own random prompts, of lengths
 spread evenly over [C/2, 3C/2] (mean C), each verifying k drafts per step. Served requests share neither KV
-blocks nor context lengths: one prompt for all (as an earlier profiler did, for cheap prefills) made steps
-faster than served ones and hid the padding attention pays for unequal contexts (attention_groups.py), so
-served steps of 7+ requests ran 35-50% over the profile. Every step the engine runs is a sample, the prefill
+blocks nor context lengths: one prompt for all would make steps faster than served ones and hide the padding
+attention pays for unequal contexts (attention_groups.py); served steps of 7+ requests then ran 35-50% over the
+profile. Every step the engine runs is a sample, the prefill
 chunks included, so the fit also covers prefill-heavy steps. During profiling:
 - acceptance is synthetic and 0, so contexts grow one token per step whatever the drafts say;
 - the n-gram proposer is replaced by one that always proposes k tokens. Real lookups often find no match,
@@ -20,21 +20,19 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
-from ..host import hardware_name, turbospec_home
 from .. import kernels
 from ..attention_choice import choice_summary
+from ..control.step_time import StepSample, StepTimeModel
+from ..draft import Draft
+from ..engine import LLMEngine
+from ..host import hardware_name, turbospec_home
+from ..proposers.base import Proposer
 from ..request import Request
 from ..sampling_params import SamplingParams
-from ..proposers.base import Draft, Proposer
-from ..control.step_time import StepSample, StepTimeModel
-
-if TYPE_CHECKING:
-    from ..engine import LLMEngine
 
 
 @dataclass(frozen=True)
@@ -51,17 +49,12 @@ GRIDS = {
 }
 
 
-# Part of every profile's key: a profile measured the earlier way (one prompt shared by all requests, no
-# padded-slot feature; or version 3, whose fits could pick an attention-call feature dropped since) is measured
-# again rather than trusted. Version 5: draft heads' time is the draft part (per drafting request), not overhead,
-# and the grid reaches the controller's cap. Version 6: the ks measured in turn, after an unrecorded round.
-# Version 7: tree drafters' levels (draft_levels) are a feature of the samples, so a draft form can use them.
-# Version 8: fits are monotone in work (monotone_fit.py); a cached fit may dip where the controller then aims.
-# Version 9: steps disturbed by another process are dropped (drop_disturbed), and brief profiles take 3 rounds.
+# Part of every profile's key: a profile cached by another version of this profiler (other step features, another
+# grid, fits not monotone in work, disturbed steps kept) is measured again rather than trusted.
 PROFILER_VERSION = "9"
 # A recorded step this much slower than the fastest of its grid point's rounds at the same k was disturbed: noise
 # only adds time. With a smollm2-135m brief profile measured while a test ran beside it, the adaptive DART row chose
-# 1-node trees: 0.91x / 0.96x of fixed 8 nodes (benchmarks/results/proposer_zoo_smollm2_zen5_disturbed_profile.md).
+# 1-node trees: 0.91x / 0.96x of fixed 8 nodes (benchmarks/results/proposer_zoo/archive/2026-12-03-proposer_zoo_smollm2_zen5_disturbed_profile.md).
 # A synthetic co-runner did not reproduce that (benchmarks/profile_disturbance.py): the drop's benefit is unmeasured.
 DISTURBED = 1.25
 
@@ -71,7 +64,6 @@ class RepeatProposer(Proposer):
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Draft]:
         return [Draft([r.all_token_ids[-1]] * k) for r, k in zip(requests, num_tokens)]
-
 
 
 def profile_key(engine: LLMEngine) -> dict[str, str]:
@@ -128,7 +120,7 @@ def profile_ks(engine: LLMEngine, grid: ProfileGrid) -> tuple[int, ...]:
     target's 9-token EAGLE verify at 0.8x a plain step (a step-down column fitted where no step was measured),
     and the controller then always chose it. Packed linears switch kernels at their crossover rows: single
     requests are measured on both sides of it."""
-    if engine.proposer is None or engine.spec is None:
+    if engine.speculation.proposer is None or engine.spec is None:
         return (0,)
     ks = set(grid.ks) | {engine.spec.k_limit}
     weights = engine.loaded.weights
@@ -169,11 +161,11 @@ def profile_engine(engine: LLMEngine, grid: ProfileGrid, progress: bool = True, 
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     # its steps (synthetic acceptance 0) must not show in the user's speculation statistics
-    saved = (engine.proposer, engine.synthetic_acceptance, engine.spec_mode, engine.sample_steps, engine.spec_stats)
-    engine.spec_stats = type(engine.spec_stats)()
+    saved = (engine.speculation.proposer, engine.speculation.synthetic_acceptance, engine.speculation.mode, engine.sample_steps, engine.speculation.stats)
+    engine.speculation.stats = type(engine.speculation.stats)()
     if engine.spec is not None and engine.spec.method == "ngram":
-        engine.proposer = RepeatProposer()
-    engine.synthetic_acceptance = 0.0
+        engine.speculation.proposer = RepeatProposer()
+    engine.speculation.synthetic_acceptance = 0.0
     engine.sample_steps = True
     samples: list[StepSample] = []
     ks = profile_ks(engine, grid)
@@ -216,7 +208,7 @@ def profile_engine(engine: LLMEngine, grid: ProfileGrid, progress: bool = True, 
         bar.close()
         for rid in list(engine.requests):
             engine.abort_request(rid)
-        engine.proposer, engine.synthetic_acceptance, engine.spec_mode, engine.sample_steps, engine.spec_stats = saved
+        engine.speculation.proposer, engine.speculation.synthetic_acceptance, engine.speculation.mode, engine.sample_steps, engine.speculation.stats = saved
     return samples
 
 

@@ -83,9 +83,9 @@ class _RunningMean:
 # Resolution of the acceptance-by-entropy table (a resolution, not a cut-off). A cut draft vocabulary makes the
 # draft confident: most of its tokens sit below 1 nat, where acceptance falls from 0.99 to 0.8 (HumanEval,
 # qwen2.5-coder-0.5b drafting for the 1.5b). With 0.1-nat bins the confidence stop replays at 1.042x of the best
-# fixed k on HumanEval (benchmarks/results/adaptive_replay.md); an ad hoc replay of the same runs with 0.5-nat bins
+# fixed k on HumanEval (benchmarks/results/adaptive_replay/adaptive_replay.md); an ad hoc replay of the same runs with 0.5-nat bins
 # (not committed) read 1.018x, MT-Bench 1.060x either way. AdaSD's numbers in
-# benchmarks/results/adaptive_acceptance.md were measured with 0.5.
+# benchmarks/results/adaptive_acceptance/adaptive_acceptance.md were measured with 0.5.
 ENTROPY_BIN_NATS = 0.1
 
 
@@ -148,8 +148,8 @@ class AdaptiveThresholds:
         expected accepted count with this token, and whether to draft another.
 
         With the 0.5B draft for qwen2.5-coder-1.5b, auto mode with this stop replays at 1.060x / 1.042x of the best
-        fixed k on MT-Bench / HumanEval (benchmarks/results/adaptive_replay.md, batch 1) and ran at 1.12x / 1.08x
-        of fixed k = 4 live (benchmarks/results/adaptive_confidence_stop.md). AdaSD's rule, which drops the token,
+        fixed k on MT-Bench / HumanEval (benchmarks/results/adaptive_replay/adaptive_replay.md, batch 1) and ran at 1.12x / 1.08x
+        of fixed k = 4 live (benchmarks/results/adaptive_estimators/adaptive_confidence_stop.md). AdaSD's rule, which drops the token,
         lost 1-6% to the best fixed k on the same runs in an ad hoc replay (not committed)."""
         a = self.acceptance_at(entropy_nats)
         survival *= a

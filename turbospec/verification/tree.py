@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+
 @dataclass
 class TokenTree:
     tokens: list[int]

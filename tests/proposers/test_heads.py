@@ -15,8 +15,8 @@ from turbospec import LLM, SamplingParams
 from turbospec.bench.eagle_reference import RecomputingEagleProposer
 from turbospec.proposers.eagle import EagleConfig, EagleDraft, default_feature_layers
 from turbospec.proposers.head_proposer import EagleProposer, HeadProposer, TreeDrafter
-from turbospec.training.heads import TrainHeadOptions, train_heads, work_dir
 from turbospec.proposers.heads import HEADS_DIR, DraftHeads, HeadConfig, head_path
+from turbospec.training.heads import TrainHeadOptions, train_heads, work_dir
 
 pytestmark = pytest.mark.slow
 
@@ -63,8 +63,8 @@ def test_eagle_training_pipeline(plain, tmp_path, monkeypatch):
     # fine-tuning it (--init) on the target's own answers to code prompts: same vocabulary, new weights, and the
     # starting point's score on the new held-out set is reported next to the result's
     from turbospec.data.prompts import load_sharegpt_exchanges
-    from turbospec.training.heads import CONVERSATIONS_STOP, PROMPT_SKIP, distillation_answers
     from turbospec.proposers.heads import file_sha256
+    from turbospec.training.heads import CONVERSATIONS_STOP, PROMPT_SKIP, distillation_answers
 
     tuned_opts = TrainHeadOptions("eagle", num_heads=2, num_prompts=3, max_tokens=10, budget_minutes=5, epochs=1,
                                   batch_size=8, generate_batch=3, code_only=True,
@@ -253,7 +253,7 @@ def test_committed_heads_are_exact_and_accepted(plain, method):
     want = [o.outputs[0].token_ids for o in plain.generate(SPEC_PROMPTS, greedy, use_tqdm=False)]
     llm = LLM(MODEL, dtype="float32", num_threads=1, max_model_len=512, kv_cache_memory_gib=0.1, progress=False,
               speculative_config={"method": method, "num_speculative_tokens": 8})
-    proposer = llm.engine.proposer
+    proposer = llm.engine.speculation.proposer
     assert isinstance(proposer, TreeDrafter)
     trees = []
     real = proposer.propose
@@ -272,7 +272,7 @@ def test_eagle_drafts_deeper_than_it_was_trained_and_stays_exact(plain):
     want = [o.outputs[0].token_ids for o in plain.generate(SPEC_PROMPTS, greedy, use_tqdm=False)]
     llm = LLM(MODEL, dtype="float32", num_threads=1, max_model_len=512, kv_cache_memory_gib=0.1, progress=False,
               speculative_config={"method": "eagle", "num_speculative_tokens": 12, "tree_depth": 6})
-    proposer = llm.engine.proposer
+    proposer = llm.engine.speculation.proposer
     assert isinstance(proposer, EagleProposer) and proposer.depth == 6 > proposer.draft.config.depth
     deepest = []
     real = proposer.propose

@@ -8,20 +8,11 @@ import math
 import pytest
 import torch
 
-from tests.test_attention import HKV, HQ, D, _reference, _setup
+from tests.engine.test_attention import HKV, HQ, D, _reference, _setup
 from turbospec import attention, attention_choice, kernels
 from turbospec.attention import build_metadata, paged_attention
-from turbospec.attention_choice import (
-    OVERRIDE,
-    PROBE_CONTEXTS,
-    SHORT_QUERY,
-    choice_summary,
-    fused_runs,
-    nearest_probe,
-    short_query_kernel,
-    single_sequence_matmul,
-    winners,
-)
+from turbospec.attention_choice import (OVERRIDE, PROBE_CONTEXTS, SHORT_QUERY, choice_summary, fused_runs,
+                                        nearest_probe, short_query_kernel, single_sequence_matmul, winners)
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +41,7 @@ def test_a_call_takes_the_choice_made_at_the_nearest_probed_context():
 @pytest.mark.parametrize("override", ["sdpa", "matmul"])
 def test_a_single_sequence_gets_the_same_attention_from_either_kernel(monkeypatch, override):
     # a 5-node draft tree and a decode, each the only sequence of its step, against the dense reference (head dim 8:
-    # the fused kernel takes multiples of 16, tests/test_attention.py runs it)
+    # the fused kernel takes multiples of 16, tests/engine/test_attention.py runs it)
     monkeypatch.setenv(OVERRIDE, override)
     ran = []
     grouped = attention.grouped_matmul_attention

@@ -10,9 +10,8 @@ import random
 import pytest
 import torch
 
-from turbospec.control.acceptance_estimators import (
-    ESTIMATORS, GlobalEMA, NodeRank, PositionBeta, RequestBeta, expected_tokens, make_estimator, outcome_probability,
-)
+from turbospec.control.acceptance_estimators import (ESTIMATORS, GlobalEMA, NodeRank, PositionBeta, RequestBeta,
+                                                     expected_tokens, make_estimator, outcome_probability)
 from turbospec.control.controller import Candidate, GoodputController, widen_lone_request
 from turbospec.control.goodput import choose_lengths
 from turbospec.control.step_time import LinearPart, StepFeatures, StepSample, StepTimeModel

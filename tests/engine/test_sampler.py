@@ -8,13 +8,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from turbospec.sampler import (
-    SamplingBatch,
-    compute_logprobs,
-    make_generator,
-    processed_probs,
-    sample,
-)
+from turbospec.sampler import SamplingBatch, compute_logprobs, make_generator, processed_probs, sample
 from turbospec.sampling_params import SamplingParams
 
 # The canonical nucleus example; put in a scrambled order so that a sampler

@@ -425,12 +425,12 @@ def test_cli_refuses_an_impossible_format_with_exit_code_2():
 @pytest.mark.slow
 def test_step_time_profiles_are_per_weight_format():
     """A packed engine's step times have another shape: it must never reuse a dense engine's cached profile."""
+    from turbospec.tuning import build_engine
     from turbospec.tuning.profiler import profile_key
-    from turbospec.engine import LLMEngine
 
     keys = {}
     for fmt in ("bf16", "auto"):
-        engine = LLMEngine(EngineConfig("smollm2-135m", weight_format=fmt, kv_cache_memory_gib=0.25), progress=False)
+        engine = build_engine(EngineConfig("smollm2-135m", weight_format=fmt, kv_cache_memory_gib=0.25), progress=False)
         keys[fmt] = profile_key(engine)
         del engine
     assert "weights" not in keys["bf16"]  # dense models keep their old cache keys
@@ -445,9 +445,9 @@ def test_int4_packing_refuses_rows_torch_cannot_pack():
 
 @pytest.mark.slow
 def test_packed_only_engines_refuse_per_request_determinism():
-    from turbospec.engine import LLMEngine
+    from turbospec.tuning import build_engine
 
-    engine = LLMEngine(EngineConfig("smollm2-135m", weight_format="int4", kv_cache_memory_gib=0.25), progress=False)
+    engine = build_engine(EngineConfig("smollm2-135m", weight_format="int4", kv_cache_memory_gib=0.25), progress=False)
     for mode in ("llm42", "margin-gate"):
         with pytest.raises(ValueError, match="only packed weights"):
             engine.request_determinism(mode)

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 from live_server import LiveServer, live_server
 
-from turbospec.server import prometheus_text as pt
 from turbospec.bench import serve_bench as sb
 from turbospec.bench import serve_client as sc
 from turbospec.bench import serve_report as sr
-from turbospec.data.prompts import BenchPrompt, load_random
 from turbospec.config import EngineConfig
-from turbospec.engine import LLMEngine
+from turbospec.data.prompts import BenchPrompt, load_random
+from turbospec.tuning import build_engine
+from turbospec.server import prometheus_text as pt
 
 # --- arrivals ----------------------------------------------------------------------------------------------
 
@@ -416,7 +416,7 @@ def test_benchmark_without_metrics_and_with_unreachable_models():
 def server() -> Iterator[LiveServer]:
     """A dummy-weight model with a byte tokenizer: fast, and its random bytes are often not valid UTF-8, so the
     server streams fewer text chunks than tokens (what makes the chunk and token counts differ below)."""
-    engine = LLMEngine(EngineConfig("dummy:tiny", num_threads=1, max_model_len=256), progress=False)
+    engine = build_engine(EngineConfig("dummy:tiny", num_threads=1, max_model_len=256), progress=False)
     with live_server(engine, "tiny") as live:
         yield live
 

@@ -57,7 +57,7 @@ def test_a_monotone_truth_is_recovered_exactly_flattening_knots_included():
     np.testing.assert_allclose(monotone_lstsq(x, x @ truth, columns), truth, rtol=1e-6, atol=1e-12)
 
 
-PROFILES = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "profiles"
+PROFILES = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "profiles"
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in PROFILES.glob("*.json")))

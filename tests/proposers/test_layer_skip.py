@@ -12,9 +12,9 @@ import pytest
 from turbospec import LLM, SamplingParams
 from turbospec.kv.block_manager import BlockManager
 from turbospec.kv.kv_cache import KVCache
+from turbospec.proposers.layer_skip import LayerSkipProposer, SkippingModel
 from turbospec.runner import ModelRunner, SeqInput
 from turbospec.tuning.layer_search import LayerSkipPlan, _Scorer, expected_speedup, load_or_search, plan_path
-from turbospec.proposers.layer_skip import LayerSkipProposer, SkippingModel
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +88,7 @@ def test_search_is_cached_and_reused(llm, tmp_path, monkeypatch):
     # an engine built without skip_layers uses the cached set
     spec = LLM(MODEL, dtype="float32", num_threads=1, max_model_len=256, kv_cache_memory_gib=0.1, progress=False,
                speculative_config={"method": "layer-skip", "num_speculative_tokens": 2})
-    assert isinstance(spec.engine.proposer, LayerSkipProposer) and spec.engine.proposer.skip == plan.skip
+    assert isinstance(spec.engine.speculation.proposer, LayerSkipProposer) and spec.engine.speculation.proposer.skip == plan.skip
     assert calls == [1]
 
 

@@ -164,7 +164,7 @@ def test_layercast_is_float32_compute_over_bf16_weights(invariant: LLM) -> None:
     from dataclasses import replace
 
     from turbospec.config import EngineConfig
-    from turbospec.engine import LLMEngine
+    from turbospec.tuning import build_engine
 
     bf16 = invariant.engine.loaded
     widened = replace(bf16, model=copy.deepcopy(bf16.model).float())
@@ -172,8 +172,8 @@ def test_layercast_is_float32_compute_over_bf16_weights(invariant: LLM) -> None:
     outs = {}
     for name, dtype, mode, loaded in (("layercast", "bfloat16", "layercast", bf16),
                                       ("float32", "float32", None, widened)):
-        engine = LLMEngine(EngineConfig(MODEL, dtype=dtype, num_threads=1, max_model_len=512, deterministic=mode),
-                           loaded=loaded, progress=False)
+        engine = build_engine(EngineConfig(MODEL, dtype=dtype, num_threads=1, max_model_len=512, deterministic=mode),
+                              loaded=loaded, progress=False)
         engine.add_request(NEEDLE, params)
         while engine.has_unfinished_requests():
             for out in engine.step():

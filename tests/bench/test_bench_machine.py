@@ -43,7 +43,7 @@ def _load_script(script: str):
     import importlib.util
     import sys
 
-    benchmarks = str(Path(__file__).resolve().parent.parent / "benchmarks")
+    benchmarks = str(Path(__file__).resolve().parents[2] / "benchmarks")
     spec = importlib.util.spec_from_file_location(script, Path(benchmarks) / f"{script}.py")
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, benchmarks)
@@ -82,7 +82,7 @@ def test_committed_results_render_again_from_their_json(script, result):
     """The benchmarks' markdown (with the shared header_lines) is what the committed .md files hold."""
     import json
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     module = _load_script(script)
     data = json.loads((root / "benchmarks" / "results" / f"{result}.json").read_text())
     table = module.markdown(data["meta"], data["rows"])
@@ -109,7 +109,7 @@ def test_eagle_vocab_refuses_a_file_without_an_eagle_draft(heads, message, monke
 
 
 def _assert_refused(script: str, argv: list[str], message: str, monkeypatch, capsys) -> None:
-    monkeypatch.chdir(Path(__file__).resolve().parent.parent)
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
     monkeypatch.setattr("sys.argv", [f"{script}.py", *argv])
     with pytest.raises(SystemExit) as exit_info:
         _load_script(script).main()

@@ -18,8 +18,8 @@ from turbospec import LLM, SamplingParams
 from turbospec.proposers.dart import CONTEXT_WEIGHT, DartConfig, DartDraft, NgramScorer, ngram_table
 from turbospec.proposers.dart_proposer import DartProposer
 from turbospec.proposers.eagle import EagleDraft
-from turbospec.training.heads import TrainHeadOptions
 from turbospec.proposers.heads import file_sha256, head_path
+from turbospec.training.heads import TrainHeadOptions
 
 pytestmark = pytest.mark.slow
 
@@ -175,7 +175,7 @@ def test_committed_dart_is_exact_and_accepted(plain):
     want = [o.outputs[0].token_ids for o in plain.generate(SPEC_PROMPTS, greedy, use_tqdm=False)]
     llm = LLM(MODEL, dtype="float32", num_threads=1, max_model_len=512, kv_cache_memory_gib=0.1, progress=False,
               speculative_config={"method": "dart", "num_speculative_tokens": 8})
-    assert isinstance(llm.engine.proposer, DartProposer)
+    assert isinstance(llm.engine.speculation.proposer, DartProposer)
     got = [o.outputs[0].token_ids for o in llm.generate(SPEC_PROMPTS, greedy, use_tqdm=False)]
     assert got == want
     stats = llm.spec_stats()

@@ -9,15 +9,15 @@ import subprocess
 import sys
 
 import pytest
+from spec_prompts import SPEC_PROMPTS
 
 from turbospec import LLM, SamplingParams
 from turbospec.config import SpeculativeConfig
 from turbospec.control.acceptance_estimators import NodeRank
-from turbospec.tuning.profiler import profile_key, profile_path
 from turbospec.control.step_time import LinearPart, StepTimeModel
 from turbospec.models.registry import gguf_path
-
-from spec_prompts import SPEC_PROMPTS
+from turbospec.tuning import set_speculation
+from turbospec.tuning.profiler import profile_key, profile_path
 
 pytestmark = pytest.mark.slow
 
@@ -50,8 +50,8 @@ def plain() -> list[list[int]]:
 def test_adaptive_greedy_output_equals_plain_decoding(config, plain):
     llm = _llm(speculative_config=config)
     engine = llm.engine
-    assert engine.spec_mode == "auto"  # the default whenever speculation is configured
-    engine.controller.model = _model(per_token=1e-4)  # speculation nearly free: the controller drafts deeply
+    assert engine.speculation.mode == "auto"  # the default whenever speculation is configured
+    engine.speculation.controller.model = _model(per_token=1e-4)  # speculation nearly free: the controller drafts deeply
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == plain
     stats = llm.spec_stats()
@@ -61,7 +61,7 @@ def test_adaptive_greedy_output_equals_plain_decoding(config, plain):
 
 def _mean_k(rate: float, model: StepTimeModel) -> float:
     llm = _llm(speculative_config={"method": "ngram", "synthetic_acceptance": rate, "prompt_lookup_min": 1})
-    llm.engine.controller.model = model
+    llm.engine.speculation.controller.model = model
     llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
     return llm.spec_stats()["mean_k"]
 
@@ -84,7 +84,7 @@ def test_fixed_k_with_synthetic_acceptance_accepts_at_that_rate():
                                    "prompt_lookup_min": 1})
     llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)
     assert llm.spec_stats()["acceptance_rate"] == 1.0
-    llm.engine.synthetic_acceptance = 0.0
+    llm.engine.speculation.synthetic_acceptance = 0.0
     llm.engine.reset_spec_stats()
     llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)
     stats = llm.spec_stats()
@@ -95,17 +95,17 @@ def test_controller_reports_its_choices_and_cost_and_learns_step_time(plain):
     llm = _llm(speculative_config={"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3})
     engine = llm.engine
     wrong = _model(per_token=0.5)  # 50x too slow: online refits must pull predictions toward measurements
-    wrong.samples = list(engine.controller.model.samples)
+    wrong.samples = list(engine.speculation.controller.model.samples)
     wrong.refit_every = 8
-    engine.controller.model = wrong
-    engine.record_history = True
+    engine.speculation.controller.model = wrong
+    engine.speculation.record_history = True
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == plain
     stats = llm.spec_stats()
     ctrl = stats["controller"]
     assert stats["policy"] == "auto" and sum(stats["k_histogram"]) > 0
     assert 0 < ctrl["controller_overhead"] < 0.02, ctrl  # the choice costs under 2% of step time
-    hist = engine.controller_history
+    hist = engine.speculation.history
     assert len(hist) > 20
     first, last = hist[2], hist[-1]
     err = lambda h: abs(h["predicted_s"] - h["measured_s"]) / h["measured_s"]  # noqa: E731
@@ -115,12 +115,14 @@ def test_controller_reports_its_choices_and_cost_and_learns_step_time(plain):
 def test_set_speculation_switches_policies_and_validates():
     llm = _llm(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     engine = llm.engine
-    assert engine.spec_mode == 2 and engine.controller is None
+    assert engine.speculation.mode == 2 and engine.speculation.controller is None
     engine.set_speculation(0)
     llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)
     assert llm.spec_stats()["num_drafts"] == 0 and llm.spec_stats()["mean_k"] == 0.0
-    engine.set_speculation("auto")  # builds the controller (from the cached or a brief profile)
-    assert engine.controller is not None
+    with pytest.raises(ValueError, match="step-time model"):
+        engine.set_speculation("auto")  # the engine measures nothing itself: tuning hands it the model
+    set_speculation(engine, "auto", progress=False)  # the cached profile, or a brief one measured now
+    assert engine.speculation.controller is not None and engine.speculation.mode == "auto"
     for bad in (-1, "fast", 1.5, True):
         with pytest.raises(ValueError, match="speculation must be"):
             engine.set_speculation(bad)
@@ -179,12 +181,12 @@ def test_a_draft_model_never_verified_is_probed_once_so_its_acceptance_gets_meas
     # never learn that this draft (the target itself) is always accepted
     llm = _llm(speculative_config={"method": "draft", "model": MODEL})
     engine = llm.engine
-    engine.controller.model = _model(per_token=0.2)
-    prior = engine.controller.estimator.rates("nobody", 1)[0]
+    engine.speculation.controller.model = _model(per_token=0.2)
+    prior = engine.speculation.controller.estimator.rates("nobody", 1)[0]
     llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     stats = llm.spec_stats()
     assert stats["num_drafts"] == 1 and stats["num_accepted_tokens"] == stats["num_draft_tokens"] > 0, stats
-    assert engine.controller.estimator.rates("nobody", 1)[0] > prior  # what a fresh request now starts from
+    assert engine.speculation.controller.estimator.rates("nobody", 1)[0] > prior  # what a fresh request now starts from
     llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert llm.spec_stats()["num_drafts"] == 1  # once per controller: from then on it decides
 
@@ -218,8 +220,8 @@ def test_a_profile_drops_the_steps_another_process_disturbed():
     """Per grid point and k, a round more than 1.25x slower than the fastest is dropped; ordinary jitter and
     every other k's rounds stay, in measuring order. A disturbed k = 0 must not make drafts look cheap, nor a
     disturbed k = 8 make them look dear."""
-    from turbospec.tuning.profiler import drop_disturbed
     from turbospec.control.step_time import StepFeatures, StepSample
+    from turbospec.tuning.profiler import drop_disturbed
 
     def sample(k, ms):
         return k, StepSample(StepFeatures(batch=1, tokens=1 + k, spec_tokens=k), ms / 1e3, 0.0, 0.0)
@@ -239,12 +241,12 @@ def test_tree_drafters_learn_acceptance_per_node_rank_and_time_their_draft(plain
 
     llm = _llm(speculative_config={"method": "eagle"})
     engine = llm.engine
-    estimator = engine.controller.estimator
+    estimator = engine.speculation.controller.estimator
     assert isinstance(estimator, NodeRank)
     seen: list[tuple[int, list[int]]] = []
     observe = estimator.observe_nodes
     estimator.observe_nodes = lambda rid, n, ranks: (seen.append((n, ranks)), observe(rid, n, ranks))[1]
-    engine.controller.model = _model(per_token=1e-4)  # verified nodes nearly free: full trees
+    engine.speculation.controller.model = _model(per_token=1e-4)  # verified nodes nearly free: full trees
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert llm.spec_stats()["mean_k"] > 4
@@ -255,7 +257,7 @@ def test_tree_drafters_learn_acceptance_per_node_rank_and_time_their_draft(plain
     drafted = [s for s in samples if s.features.spec_tokens]
     assert drafted and all(s.features.drafting_requests == s.features.batch and s.draft_s > 0 for s in drafted)
     # the trees grew as deep as the drafts needed, no deeper than the layer's depth: one draft pass per level
-    depth = engine.proposer.tree_levels
+    depth = engine.speculation.proposer.tree_levels
     assert depth == 4 and {(s.features.draft_steps, s.features.draft_levels) for s in drafted} == {(2, 2), (8, 4)}
     # the draft part is the heads' drafting, not the step's scheduling: a bounded share of the step
     assert all(s.draft_s < 0.8 * s.total_s for s in drafted)

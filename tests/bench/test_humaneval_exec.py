@@ -8,13 +8,7 @@ import tempfile
 
 import pytest
 
-from turbospec.bench.humaneval import (
-    answer_prefix,
-    check_completion,
-    load_humaneval,
-    pass_at_1,
-    program,
-)
+from turbospec.bench.humaneval import answer_prefix, check_completion, load_humaneval, pass_at_1, program
 from turbospec.bench.sandbox import network_namespace_available, run_program
 
 

@@ -14,8 +14,8 @@ import torch
 
 from turbospec import LLM, SamplingParams
 from turbospec.config import EngineConfig, SpeculativeConfig
-from turbospec.verification.lossy import AdaptiveThresholds, entropy, js_distance, relax_drafts, typical_accepts
 from turbospec.verification.chain import verify
+from turbospec.verification.lossy import AdaptiveThresholds, entropy, js_distance, relax_drafts, typical_accepts
 
 MODEL = "smollm2-135m"
 PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -186,7 +186,7 @@ def _llm(acceptance: str, k: int | str = 4) -> LLM:
     # The draft is the target with noise on two layers: same vocabulary, and it disagrees often
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for name, p in llm.engine.proposer.model.model.named_parameters():
+        for name, p in llm.engine.speculation.proposer.model.model.named_parameters():
             if "layers.2." in name or "layers.5." in name:
                 p.add_(torch.randn(p.shape, generator=g) * p.std() * 0.15)
     return llm
@@ -208,7 +208,7 @@ def test_lossless_policies_reproduce_plain_greedy_decoding(plain):
     gen_only = _llm("adasd-generation")
     # The draft is as slow as the target here, so a second draft token pays only if nearly sure; start the
     # table saying that unsure tokens are rejected, so that the stop rule fires from the first steps
-    gen_only.engine.adaptive_thresholds.observe_generation([0.1] * 20 + [3.0] * 20, [True] * 20 + [False] * 20)
+    gen_only.engine.speculation.thresholds.observe_generation([0.1] * 20 + [3.0] * 20, [True] * 20 + [False] * 20)
     outs = gen_only.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert all(o.acceptance == "adasd-generation" and o.lossless and o.relaxed_tokens == 0 for o in outs)
@@ -224,29 +224,29 @@ def test_auto_mode_ends_drafts_where_the_draft_turns_unsure_and_stays_lossless(p
 
     stopping = _llm("exact", k="auto")
     engine = stopping.engine
-    assert engine.spec.draft_stop == "confidence" and engine._confidence_stop()
+    assert engine.spec.draft_stop == "confidence" and engine.speculation.confidence_stop()
     # drafting nearly free, so the controller lets every request draft (up to the cap of 8) and the stop decides
     # how far; the table starts saying that unsure tokens are rejected, so the stop fires from the first steps
-    engine.controller.model = StepTimeModel({"target": LinearPart(("one", "tokens"), (0.01, 1e-4)),
+    engine.speculation.controller.model = StepTimeModel({"target": LinearPart(("one", "tokens"), (0.01, 1e-4)),
                                              "draft": LinearPart(("draft_steps",), (1e-4,)),
                                              "overhead": LinearPart()}, refit_every=10**9)
-    engine.adaptive_thresholds.observe_generation([0.1] * 20 + [3.0] * 20, [True] * 20 + [False] * 20)
+    engine.speculation.thresholds.observe_generation([0.1] * 20 + [3.0] * 20, [True] * 20 + [False] * 20)
     # the draft here is the target itself (as slow); make its measured step look nearly free against the
     # target's (running means: these outweigh the steps the test measures), so only unsure tokens end a draft
     for _ in range(2000):
-        engine.adaptive_thresholds.observe_costs(draft_step_s=1e-4, target_step_s=1.0)
+        engine.speculation.thresholds.observe_costs(draft_step_s=1e-4, target_step_s=1.0)
     # one request at a time: a lone request the controller lets draft may go to the cap (widen_lone_request)
     outs = [stopping.generate(p, GREEDY, use_tqdm=False)[0] for p in PROMPTS]
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert all(o.lossless and o.relaxed_tokens == 0 for o in outs)
     histogram = stopping.spec_stats()["k_histogram"]
     assert sum(histogram[1:8]) > 0 and len(histogram) == 9 and histogram[8] > 0  # cut short, and drafted to 8
-    before = sum(engine.adaptive_thresholds.seen_by_entropy)
+    before = sum(engine.speculation.thresholds.seen_by_entropy)
     assert before > 40  # verification fed the table
     # a fixed k is drafted in full whatever the draft's confidence
     engine.set_speculation(4)
     stopping.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
-    assert sum(engine.adaptive_thresholds.seen_by_entropy) == before
+    assert sum(engine.speculation.thresholds.seen_by_entropy) == before
 
 
 @pytest.mark.slow

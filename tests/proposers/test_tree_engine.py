@@ -11,8 +11,9 @@ import pytest
 from spec_prompts import SPEC_PROMPTS
 
 from turbospec import LLM, SamplingParams
+from turbospec.draft import Draft
+from turbospec.proposers.base import Proposer
 from turbospec.request import Request
-from turbospec.proposers.base import Draft, Proposer
 from turbospec.verification.tree import TokenTree
 
 pytestmark = pytest.mark.slow
@@ -67,7 +68,7 @@ def test_tree_verification_with_compaction_equals_plain_decoding(mode):
     spec = LLM(MODEL, dtype=dtype, num_threads=1, max_model_len=256, kv_cache_memory_gib=0.1, progress=False,
                deterministic=mode, speculative_config={"method": "ngram", "num_speculative_tokens": 8})
     oracle = OracleTreeProposer(answers)
-    spec.engine.proposer = oracle
+    spec.engine.speculation.proposer = oracle
     moves = []
     real_move = spec.engine.runner.move_kv
     spec.engine.runner.move_kv = lambda rid, src, dst: (moves.append(len(src)), real_move(rid, src, dst))
@@ -94,10 +95,10 @@ def test_sampled_tree_verification_is_seeded():
     answers = {tuple(o.prompt_token_ids): o.outputs[0].token_ids
                for o in plain.generate(SPEC_PROMPTS, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
                                        use_tqdm=False)}
-    spec.engine.proposer = OracleTreeProposer(answers)
+    spec.engine.speculation.proposer = OracleTreeProposer(answers)
     params = SamplingParams(temperature=0.7, seed=5, max_tokens=30, ignore_eos=True)
     first = [o.outputs[0].token_ids for o in spec.generate(SPEC_PROMPTS, params, use_tqdm=False)]
-    spec.engine.proposer = OracleTreeProposer(answers)  # same trees again
+    spec.engine.speculation.proposer = OracleTreeProposer(answers)  # same trees again
     again = [o.outputs[0].token_ids for o in spec.generate(SPEC_PROMPTS, params, use_tqdm=False)]
     assert first == again and all(len(t) == 30 for t in first)
     assert spec.spec_stats()["num_accepted_tokens"] > 0

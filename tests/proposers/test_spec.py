@@ -48,10 +48,10 @@ def _agreement(outs, ref) -> float:
 def _assert_no_leaks(llm: LLM) -> None:
     engine = llm.engine
     assert engine.blocks.num_free_blocks == engine.kv.num_blocks
-    proposer_blocks = getattr(engine.proposer, "blocks", None)
+    proposer_blocks = getattr(engine.speculation.proposer, "blocks", None)
     if proposer_blocks is not None:
         assert proposer_blocks.num_free_blocks == proposer_blocks.num_blocks
-        assert not engine.proposer.computed and not engine.proposer.pending
+        assert not engine.speculation.proposer.computed and not engine.speculation.proposer.pending
 
 
 @pytest.mark.parametrize("config", [NGRAM, SELF_DRAFT, LAYER_SKIP, LOOKAHEAD, CUT_DRAFT, CUT_LAYER_SKIP, INT4_DRAFT],
@@ -105,7 +105,7 @@ def test_abort_while_speculating_frees_target_and_draft_blocks():
     other = engine.add_request(PROMPTS[2], SamplingParams(temperature=0, max_tokens=8))
     for _ in range(3):
         engine.step()
-    assert engine.proposer.blocks.num_free_blocks < engine.proposer.blocks.num_blocks
+    assert engine.speculation.proposer.blocks.num_free_blocks < engine.speculation.proposer.blocks.num_blocks
     out = engine.abort_request(rid)
     assert out is not None and out.outputs[0].finish_reason == "abort"
     while engine.has_unfinished_requests():

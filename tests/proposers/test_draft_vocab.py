@@ -12,14 +12,8 @@ import torch
 from turbospec.models.loader import load_model
 from turbospec.models.registry import pull
 from turbospec.models.weight_format import _load_packs
-from turbospec.proposers.draft_vocab import (
-    AUTO_SIZE,
-    DraftVocabulary,
-    VocabHead,
-    frequent_tokens,
-    resolve_size,
-    token_counts,
-)
+from turbospec.proposers.draft_vocab import (AUTO_SIZE, DraftVocabulary, VocabHead, frequent_tokens, resolve_size,
+                                             token_counts)
 
 MODEL = "smollm2-135m"
 

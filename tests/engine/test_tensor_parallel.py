@@ -20,7 +20,6 @@ from turbospec import LLM, SamplingParams
 from turbospec.attention import build_metadata
 from turbospec.cli import main
 from turbospec.config import EngineConfig
-from turbospec.tuning.profiler import GRIDS, ProfileGrid, profile_key, profile_path
 from turbospec.determinism.batch_invariant import invariant_linear
 from turbospec.kv.kv_cache import KVCache
 from turbospec.models.layers import RowLinear, dummy_init_
@@ -31,6 +30,7 @@ from turbospec.parallel.comm import Communicator, TensorParallelError
 from turbospec.parallel.plan import ShardPlan, check_tensor_parallel, group_ranges
 from turbospec.parallel.shard import shard_model
 from turbospec.server.async_engine import AsyncEngine
+from turbospec.tuning.profiler import GRIDS, ProfileGrid, profile_key, profile_path
 
 MODEL = "smollm2-135m"  # 9 query heads over 3 KV heads: two ranks hold 2 + 1 groups (an uneven split)
 PROMPTS = [
@@ -215,7 +215,7 @@ def test_token_trees_under_two_ranks_keep_the_plain_output(float32_reference) ->
     group.copy_slots = lambda src, dst: (moved.append(bool((src != dst).any())), real_copy(src, dst))
     try:
         _same_tokens_close_logprobs(_run(llm), float32_reference)
-        assert llm.engine.spec_stats.num_accepted_tokens > 0
+        assert llm.engine.speculation.stats.num_accepted_tokens > 0
         assert any(moved)  # an accepted path off the first branch moved down on the other rank too
     finally:
         llm.shutdown()
@@ -229,7 +229,7 @@ def test_layer_skip_drafts_through_the_split_model(invariant_reference) -> None:
                                       "num_speculative_tokens": 2})
     try:
         assert _run(llm) == invariant_reference
-        assert llm.engine.spec_stats.num_draft_tokens > 0
+        assert llm.engine.speculation.stats.num_draft_tokens > 0
     finally:
         llm.shutdown()
 
@@ -244,7 +244,7 @@ def test_default_mode_matches_within_rounding_and_the_controller_runs_on_top(mon
     key = profile_key(llm.engine)
     try:
         assert key["tensor_parallel"] == "2"
-        assert llm.engine.controller is not None and llm.engine.controller.model.key == key
+        assert llm.engine.speculation.controller is not None and llm.engine.speculation.controller.model.key == key
         two = _run(llm)
     finally:
         llm.shutdown()

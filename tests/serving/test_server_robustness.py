@@ -24,13 +24,14 @@ from live_server import LiveServer, free_port, live_server
 from turbospec.cli import main
 from turbospec.config import EngineConfig
 from turbospec.engine import LLMEngine
+from turbospec.tuning import build_engine
 
 MODEL = "tiny"
 ENGINE = {"num_threads": 1, "max_model_len": 64}
 
 
 def tiny_engine() -> LLMEngine:
-    return LLMEngine(EngineConfig("dummy:tiny", **ENGINE), progress=False)
+    return build_engine(EngineConfig("dummy:tiny", **ENGINE), progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -145,14 +146,14 @@ def test_queue_limit_answers_503_then_recovers() -> None:
 def test_one_failing_request_fails_alone(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = server.engine
     reference = greedy(server, "fine").json()["choices"][0]["text"]
-    original = engine._append
+    original = engine.emitter.append
 
     def append_or_fail(req, tokens, now):  # the seed marks the request to break: a stand-in for a tokenizer bug
         if req.params.seed == 666:
             raise RuntimeError("detokenizer exploded")
         return original(req, tokens, now)
 
-    monkeypatch.setattr(engine, "_append", append_or_fail)
+    monkeypatch.setattr(engine.emitter, "append", append_or_fail)
     bad = {"model": MODEL, "prompt": "boom", "max_tokens": 8, "temperature": 1.0, "seed": 666}
 
     async def run() -> tuple[httpx.Response, httpx.Response, str]:
@@ -241,8 +242,8 @@ def test_sigterm_drains_in_flight_requests_and_exits_0() -> None:
 
 
 def test_batch_invariant_server_answers_a_request_bitwise_alike_under_any_load() -> None:
-    engine = LLMEngine(EngineConfig("dummy:tiny", num_threads=1, max_model_len=128, deterministic="batch-invariant"),
-                       progress=False)
+    engine = build_engine(EngineConfig("dummy:tiny", num_threads=1, max_model_len=128, deterministic="batch-invariant"),
+                          progress=False)
     body = {"model": MODEL, "prompt": "needle", "max_tokens": 12, "temperature": 0, "logprobs": 3}
     with live_server(engine, MODEL) as live:
         alone = httpx.post(live.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
@@ -289,7 +290,7 @@ def test_a_request_can_ask_for_a_lossy_acceptance_policy_and_the_answer_says_so(
     false, "relaxed_tokens"}} (streams: on the last chunk); the default answer carries nothing; a policy the
     server cannot give is a 400 on that field. A server without speculation refuses every lossy policy."""
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
-    engine = LLMEngine(EngineConfig("dummy:tiny", **ENGINE, speculative_config=spec), progress=False)
+    engine = build_engine(EngineConfig("dummy:tiny", **ENGINE, speculative_config=spec), progress=False)
     with live_server(engine, MODEL) as live:
         prompt = "abcabcabcabcabcabc"
         default = greedy(live, prompt).json()

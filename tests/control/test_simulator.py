@@ -16,15 +16,8 @@ from turbospec.control.step_time import LinearPart, StepFeatures, StepSample, St
 from turbospec.sim.draft_outcomes import Outcome, PositionRates, TextRuns, TraceReplay, rates_from_trace
 from turbospec.sim.replica import Replica, SpecPolicy
 from turbospec.sim.simulator import Deployment, simulate
-from turbospec.sim.step_cost import (
-    H200,
-    LLAMA3_8B,
-    RooflineAssumptions,
-    StepCost,
-    StepOverhead,
-    mean_level,
-    roofline_model,
-)
+from turbospec.sim.step_cost import (H200, LLAMA3_8B, RooflineAssumptions, StepCost, StepOverhead, mean_level,
+                                     roofline_model)
 from turbospec.sim.workload import SimRequest, fixed_lengths, with_arrivals
 
 

@@ -20,6 +20,7 @@ from spec_prompts import SPEC_PROMPTS
 from turbospec import LLM, SamplingParams
 from turbospec.config import EngineConfig
 from turbospec.engine import LLMEngine
+from turbospec.tuning import build_engine
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +31,7 @@ SPEC = {"method": "ngram", "max_speculative_tokens": 6}
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    engine = LLMEngine(EngineConfig(MODEL, speculative_config=SPEC, **CONFIG), progress=False)
+    engine = build_engine(EngineConfig(MODEL, speculative_config=SPEC, **CONFIG), progress=False)
     with live_server(engine, MODEL) as live:
         yield live
 
@@ -216,9 +217,9 @@ def test_speculation_can_be_turned_off_per_request(server: LiveServer) -> None:
     engine = server.engine
     body = {"model": MODEL, "prompt": SPEC_PROMPTS[1], "max_tokens": 40, "temperature": 0}
     on = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
-    drafts = engine.spec_stats.num_draft_tokens
+    drafts = engine.speculation.stats.num_draft_tokens
     off = httpx.post(server.url + "/v1/completions", json={**body, "speculation": False}, timeout=120).json()
-    assert engine.spec_stats.num_draft_tokens == drafts  # not one draft verified for it
+    assert engine.speculation.stats.num_draft_tokens == drafts  # not one draft verified for it
     assert off["choices"][0]["text"] == on["choices"][0]["text"]
 
 

@@ -37,7 +37,7 @@ def test_the_kv_cache_starts_at_zero_and_takes_writes(dtype):
 RESIDENT = """
 import gc, torch
 from turbospec.kv.kv_cache import KVCache
-from tests.test_kv_cache import _config
+from tests.engine.test_kv_cache import _config
 def status(field):
     with open("/proc/self/status") as f:
         return int(next(line for line in f if line.startswith(field + ":")).split()[1]) // 1024
@@ -60,7 +60,7 @@ def test_the_kv_cache_commits_memory_only_where_written(dtype):
     its address space back when freed. torch.zeros wrote every byte: two test workers' engines, 4 GiB each,
     once exhausted a 24 GiB machine."""
     out = subprocess.run([sys.executable, "-c", RESIDENT.format(dtype=dtype)], capture_output=True, text=True,
-                         check=True, timeout=120, cwd=Path(__file__).parents[1]).stdout.split()
+                         check=True, timeout=120, cwd=Path(__file__).parents[2]).stdout.split()
     grown_mib, kept_mib = int(out[-2]), int(out[-1])
     assert grown_mib < 128, f"the KV budget was committed up front: resident memory grew {grown_mib} MiB"
     assert kept_mib < 128, f"freeing the cache kept {kept_mib} MiB of address space"
