@@ -380,7 +380,10 @@ def test_int8_activations_are_a_named_lossy_format_close_to_auto():
     loaded = {fmt: load_model("smollm2-135m", "bfloat16", weight_format=fmt, progress=False)
               for fmt in ("auto", "auto-q8act")}
     report = loaded["auto-q8act"].weights
-    assert report.format == "auto-q8act" and report.packed_linears == loaded["auto"].weights.packed_linears
+    auto = loaded["auto"].weights
+    # the same linears packed, less those whose measured crossover (per kernel: timing) keeps them dense
+    assert report.format == "auto-q8act"
+    assert report.packed_linears + report.dense_only_linears == auto.packed_linears + auto.dense_only_linears
     assert all("-q8act:" in signature for signature in report.crossover)
     ids = torch.tensor([1, 504, 3120, 28, 253])
     logits = {}
