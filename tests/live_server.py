@@ -32,9 +32,10 @@ class LiveServer:
 
 
 @contextmanager
-def live_server(engine: LLMEngine, model_name: str, max_pending: int = 256) -> Iterator[LiveServer]:
+def live_server(engine: LLMEngine, model_name: str, max_pending: int = 256,
+                host_names: frozenset[str] | None = None) -> Iterator[LiveServer]:
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, model_name, max_pending), host="127.0.0.1",
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, model_name, max_pending, host_names), host="127.0.0.1",
                                            port=port, log_level="warning", timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

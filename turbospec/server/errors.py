@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from itertools import takewhile
 from typing import Any
 
@@ -9,6 +10,8 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("turbospec.server")
 
 
 class APIError(Exception):
@@ -92,4 +95,7 @@ async def http_error_handler(_: Request, exc: Exception) -> JSONResponse:
 
 
 async def internal_error_handler(_: Request, exc: Exception) -> JSONResponse:
-    return json_error(500, f"internal server error: {type(exc).__name__}: {exc}", "internal_server_error")
+    """A failure of ours, not the request's: logged here, and the client told no internals."""
+    log.error("internal server error", exc_info=exc)
+    return json_error(500, "internal server error: the server failed while handling this request (its log has "
+                           "the details)", "internal_server_error")

@@ -4,6 +4,7 @@ engine jobs (one per prompt and choice), run them, and shape the results as a re
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -12,12 +13,16 @@ from typing import Any
 
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
-from .async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestFailed
+from .async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestFailed, RequestTooLarge, Reservation
 from .errors import APIError, bad_request, error_body, param_of
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, UnsupportedValue, _SamplingFields
 from .responses import chat_logprobs, completion_logprobs, sse, usage
 
+log = logging.getLogger("turbospec.server")
+
 DISCONNECT_POLL_S = 0.5
+SHUTTING_DOWN = "the request was aborted: the server is shutting down"
+GENERATION_FAILED = "generation failed inside the server (its log has the details); other requests are unaffected"
 SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
 IsDisconnected = Callable[[], Awaitable[bool]]
 
@@ -49,6 +54,7 @@ class _Run:
     deterministic: str | None = None
     acceptance: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    reservation: Reservation | None = None  # the engine seats its jobs were admitted with
 
 
 class OpenAIServing:
@@ -69,7 +75,9 @@ class OpenAIServing:
         try:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except Exception as exc:  # a tokenizer failure is this request's problem only
-            raise bad_request(f"the prompt could not be tokenized: {type(exc).__name__}: {exc}", "prompt") from exc
+            log.info("tokenizer refused a prompt: %s: %s", type(exc).__name__, exc)
+            raise bad_request("the prompt could not be tokenized: it must be valid Unicode text (no lone surrogate "
+                              "code points)", "prompt") from exc
 
     def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         try:
@@ -110,13 +118,19 @@ class OpenAIServing:
                 seed = None if req.seed is None else req.seed + j  # n seeded choices must differ
                 jobs.append(Job(p * req.n + j, p, f"{base}-{p}-{j}", ids,
                                 params if req.n == 1 else params.clone(seed=seed), echo[p] if echo else ""))
+        return jobs
+
+    def admit(self, run: _Run) -> _Run:
+        """Hold engine seats for every job of the run now, or refuse the whole request."""
         try:
-            self.engine.check_capacity(len(jobs))
+            run.reservation = self.engine.reserve(len(run.jobs))
+        except RequestTooLarge as exc:
+            raise bad_request(str(exc), "n") from exc
         except EngineOverloaded as exc:
             raise APIError(503, str(exc), "overloaded_error", code="server_overloaded") from exc
         except EngineDead as exc:
             raise APIError(503, str(exc), "server_error", code="engine_dead") from exc
-        return jobs
+        return run
 
     # --- running jobs ----------------------------------------------------------------------------------------
 
@@ -128,7 +142,7 @@ class OpenAIServing:
             try:
                 async for out in self.engine.generate(job.request_id, job.prompt_ids, job.params,
                                                       run.speculate, run.arrival, run.deterministic,
-                                                      run.acceptance):
+                                                      run.acceptance, run.reservation):
                     merged.put_nowait((job, out))
             except Exception as exc:  # handed to the consumer, which decides
                 merged.put_nowait(exc)
@@ -150,6 +164,8 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if run.reservation is not None:
+                run.reservation.release()
 
     async def collect(self, run: _Run, is_disconnected: IsDisconnected) -> list[RequestOutput]:
         """Run to completion, one final output per job; abort everything if the client goes away."""
@@ -168,7 +184,9 @@ class OpenAIServing:
                     task.cancel()
                     raise APIError(499, "the client disconnected", "client_closed_request")
             task.result()
-        except (RequestFailed, EngineDead) as exc:
+        except APIError:
+            raise
+        except Exception as exc:  # the engine's refusals and failures, in the client's terms
             raise _engine_error(exc) from exc
         finally:
             if not task.done():
@@ -177,9 +195,10 @@ class OpenAIServing:
         for out in outs:
             reason = out.outputs[0].finish_reason
             if reason == "error":
-                raise APIError(500, f"generation failed: {out.error}", "internal_server_error")
+                log.error("request %s failed: %s", out.request_id, out.error)
+                raise APIError(500, GENERATION_FAILED, "internal_server_error")
             if reason == "abort":
-                raise APIError(503, "the request was aborted: the server is shutting down", "server_error")
+                raise APIError(503, SHUTTING_DOWN, "server_error")
         return outs
 
     # --- /v1/completions ------------------------------------------------------------------------------------
@@ -192,8 +211,8 @@ class OpenAIServing:
             raise bad_request(str(exc), exc.param) from exc
         prompts = [self.encode(p) if isinstance(p, str) else p for p in raw]
         echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in raw] if req.echo else None
-        return _Run(self.make_jobs(req, prompts, req.logprobs, req.max_tokens, echo), req.speculation, arrival,
-                    req.deterministic, req.acceptance)
+        return self.admit(_Run(self.make_jobs(req, prompts, req.logprobs, req.max_tokens, echo), req.speculation,
+                               arrival, req.deterministic, req.acceptance))
 
     async def completion(self, req: CompletionRequest, run: _Run, is_disconnected: IsDisconnected) -> dict[str, Any]:
         outs = await self.collect(run, is_disconnected)
@@ -239,8 +258,8 @@ class OpenAIServing:
     def chat_run(self, req: ChatCompletionRequest, arrival: float) -> _Run:
         self.check_model(req.model)
         ids = self.chat_ids(req.messages, req.add_generation_prompt)
-        return _Run(self.make_jobs(req, [ids], req.num_logprobs, req.requested_max_tokens), req.speculation, arrival,
-                    req.deterministic, req.acceptance)
+        return self.admit(_Run(self.make_jobs(req, [ids], req.num_logprobs, req.requested_max_tokens),
+                               req.speculation, arrival, req.deterministic, req.acceptance))
 
     async def chat(self, req: ChatCompletionRequest, run: _Run, is_disconnected: IsDisconnected) -> dict[str, Any]:
         outs = await self.collect(run, is_disconnected)
@@ -309,12 +328,13 @@ class OpenAIServing:
             async for job, out in self._outputs(run):
                 reason = out.outputs[0].finish_reason
                 if reason in ("error", "abort"):
-                    message = (f"generation failed: {out.error}" if reason == "error"
-                               else "the request was aborted: the server is shutting down")
+                    if reason == "error":
+                        log.error("request %s failed: %s", out.request_id, out.error)
+                    message = GENERATION_FAILED if reason == "error" else SHUTTING_DOWN
                     yield job, sse(error_body(message, "server_error")) + sse("[DONE]")
                     return
                 yield job, out
-        except (RequestFailed, EngineDead) as exc:
+        except Exception as exc:  # (any failure: a stream must end with an error event, never just stop)
             err = _engine_error(exc)
             yield run.jobs[0], sse(err.body()) + sse("[DONE]")
 
@@ -344,4 +364,9 @@ def _prompt_tokens(run: _Run) -> int:
 def _engine_error(exc: Exception) -> APIError:
     if isinstance(exc, RequestFailed):
         return APIError(400, str(exc), "invalid_request_error")
-    return APIError(503, str(exc), "server_error", code="engine_dead")
+    if isinstance(exc, EngineDead):
+        return APIError(503, str(exc), "server_error", code="engine_dead")
+    if isinstance(exc, EngineOverloaded):
+        return APIError(503, str(exc), "overloaded_error", code="server_overloaded")
+    log.exception("request failed inside the server", exc_info=exc)
+    return APIError(500, "the server failed while generating this request", "internal_server_error")
