@@ -13,6 +13,7 @@ import uvicorn
 
 from turbospec.engine import LLMEngine
 from turbospec.server.app import build_app
+from turbospec.server.guards import GuardConfig
 
 
 def free_port() -> int:
@@ -33,9 +34,9 @@ class LiveServer:
 
 @contextmanager
 def live_server(engine: LLMEngine, model_name: str, max_pending: int = 256,
-                host_names: frozenset[str] | None = None) -> Iterator[LiveServer]:
+                guard: GuardConfig | None = None) -> Iterator[LiveServer]:
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, model_name, max_pending, host_names), host="127.0.0.1",
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, model_name, max_pending, guard), host="127.0.0.1",
                                            port=port, log_level="warning", timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -5,6 +5,7 @@ Bad input exits with code 2 and a one-line reason."""
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import sys
 from collections.abc import Sequence
@@ -58,6 +59,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--graceful-timeout", type=float, default=10.0,
                        help="seconds SIGTERM waits for in-flight requests before aborting them")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--api-key", default=os.environ.get("TURBOSPEC_API_KEY"),
+                       help="require 'Authorization: Bearer <key>' on every route but /health (default: "
+                            "$TURBOSPEC_API_KEY; unset: no key)")
+    serve.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
     ray = serve.add_argument_group("Ray Serve (--ray): replicas behind one endpoint")
     ray.add_argument("--ray", action="store_true", help="serve replicas as Ray Serve deployments (pip install "
                                                         "'turbospec[ray]')")
@@ -367,7 +372,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from .config import EngineConfig
-    from .server.app import build_app, host_names_for, run_server
+    from .server.app import build_app, run_server
+    from .server.guards import GuardConfig, body_limit, host_names_for
     from .tuning import build_engine
 
     try:
@@ -377,6 +383,8 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
         if args.graceful_timeout < 0:
             raise ValueError(f"--graceful-timeout must be >= 0, got {args.graceful_timeout}")
+        if args.api_key is not None and (not args.api_key.strip() or args.api_key != args.api_key.strip()):
+            raise ValueError("--api-key (or TURBOSPEC_API_KEY) must be a non-empty string without surrounding spaces")
         options = dict(dtype=args.dtype, weight_format=args.weight_format, max_model_len=args.max_model_len,
                        num_threads=args.num_threads, max_num_seqs=args.max_num_seqs,
                        tensor_parallel_size=args.tensor_parallel_size,
@@ -390,7 +398,11 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     name = args.served_model_name or args.model
-    app = build_app(engine, name, args.max_pending_requests, host_names_for(args.host))
+    # with a key, the key decides who is answered; without one, a loopback server answers loopback names only
+    guard = GuardConfig(api_key=args.api_key, metrics_public=args.metrics_public,
+                        host_names=None if args.api_key else host_names_for(args.host),
+                        max_body_bytes=body_limit(engine.max_model_len))
+    app = build_app(engine, name, args.max_pending_requests, guard)
     url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
     policy = "off" if engine.speculation.proposer is None else f"{config.speculative_config.method}, k = {engine.speculation.mode}"
     print(f"turbospec: serving {name!r} (speculation: {policy}) at {url}\n"

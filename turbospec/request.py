@@ -94,13 +94,22 @@ class Request:
         return "invariant" if self.determinism in ("llm42", "margin-gate") else None
 
     @property
+    def samples_by_position(self) -> bool:
+        """Whether the token at position n is sampled with noise keyed by (noise_seed, n), and drafts are accepted
+        by equality with that sample: deterministic modes, and seeded sampled requests under exact acceptance.
+        The tokens then depend on neither k nor the proposer (nor, for a seed, on the batch's generators)."""
+        if self.determinism is not None:
+            return True
+        return self.params.seed is not None and not self.params.greedy and self.acceptance == "exact"
+
+    @property
     def accepts_trees(self) -> bool:
-        """Whether a request's drafts may branch: exact acceptance and no deterministic mode. Proposers give the
+        """Whether a request's drafts may branch: exact acceptance and no positional sampling. Proposers give the
         others their most probable path. Why not the deterministic modes: the invariant attention sums keys in
         fixed blocks, and a node's ancestors sit at other offsets in a tree than in the final sequence (decoys in
         between), so its rows would not be bitwise those of plain decoding; positional sampling and held-token
         checks also verify chains only."""
-        return self.acceptance == "exact" and self.determinism is None
+        return self.acceptance == "exact" and not self.samples_by_position
 
     @property
     def is_finished(self) -> bool:

@@ -24,6 +24,7 @@ from live_server import LiveServer, free_port, live_server
 from turbospec.cli import main
 from turbospec.config import EngineConfig
 from turbospec.engine import LLMEngine
+from turbospec.server.guards import GuardConfig, host_names_for
 from turbospec.tuning import build_engine
 
 MODEL = "tiny"
@@ -180,6 +181,37 @@ def test_a_burst_over_the_pending_limit_gets_503s_never_500s_or_cut_streams() ->
         assert greedy(live, "burst").json()["choices"][0]["text"] == reference
 
 
+def test_two_hundred_at_once_on_a_small_kv_cache_complete_or_get_503() -> None:
+    """200 concurrent requests, 64 admitted at a time, a KV cache of 16 blocks (requests preempt each other): each
+    completes with the text it gets alone (batch-invariant, so batching cannot change a token) or is refused with
+    503 and Retry-After, and the process's memory stays bounded."""
+    import resource
+
+    block_bytes = 2 * 2 * 16 * 32 * 4  # K and V, 2 layers, 16 slots, 2 KV heads x 16, float32
+    config = EngineConfig("dummy:tiny", num_threads=1, max_model_len=64, dtype="float32",
+                          deterministic="batch-invariant", kv_cache_memory_gib=16 * block_bytes / 2**30)
+    with live_server(build_engine(config, progress=False), MODEL, max_pending=64) as live:
+        prompts = [f"request {i % 7}" for i in range(200)]
+        alone = {p: greedy(live, p).json()["choices"][0]["text"] for p in set(prompts)}
+        rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+        async def run() -> list[httpx.Response]:
+            limits = httpx.Limits(max_connections=200)
+            async with httpx.AsyncClient(base_url=live.url, timeout=120, limits=limits) as c:
+                return list(await asyncio.gather(*(c.post("/v1/completions", json={
+                    "model": MODEL, "prompt": p, "max_tokens": 8, "temperature": 0}) for p in prompts)))
+
+        answers = asyncio.run(run())
+        grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
+        done = [(p, r) for p, r in zip(prompts, answers) if r.status_code == 200]
+        refused = [r for r in answers if r.status_code == 503]
+        assert len(done) + len(refused) == 200, sorted({r.status_code for r in answers})
+        assert done and all(r.json()["choices"][0]["text"] == alone[p] for p, r in done)
+        assert all(r.headers["retry-after"] == "1" for r in refused)
+        assert grown_mib < 512, f"peak resident memory grew {grown_mib:.0f} MiB"
+        assert not live.engine.requests and live.engine.blocks.usage() == 0
+
+
 def test_a_request_larger_than_the_limit_is_a_400_not_a_retry() -> None:
     with live_server(tiny_engine(), MODEL, max_pending=4) as live:
         many = httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": ["a"] * 5, "max_tokens": 2},
@@ -207,9 +239,7 @@ def test_bad_prompts_are_told_in_the_clients_terms(server: LiveServer, prompt: s
 def test_a_loopback_server_answers_only_loopback_host_names() -> None:
     """A page on another site can point its own name at 127.0.0.1 (DNS rebinding) and read a local server's
     answers, unless the server refuses Host names that are not its own."""
-    from turbospec.server.app import host_names_for
-
-    with live_server(tiny_engine(), MODEL, host_names=host_names_for("127.0.0.1")) as live:
+    with live_server(tiny_engine(), MODEL, guard=GuardConfig(host_names=host_names_for("127.0.0.1"))) as live:
         port = live.url.rsplit(":", 1)[1]
         assert httpx.get(live.url + "/health").status_code == 200  # Host: 127.0.0.1:<port>
         for name in (f"localhost:{port}", "localhost", f"[::1]:{port}"):
@@ -219,6 +249,63 @@ def test_a_loopback_server_answers_only_loopback_host_names() -> None:
         assert evil.status_code == 400 and "Host header 'attacker.example'" in evil.json()["error"]["message"]
     assert host_names_for("0.0.0.0") is None  # a server opened up on purpose answers any name
 
+
+def test_an_api_key_guards_every_route_but_health() -> None:
+    from openai import AuthenticationError, OpenAI
+
+    key = "sk-test-0123456789"
+    for public in (False, True):
+        with live_server(tiny_engine(), MODEL, guard=GuardConfig(api_key=key, metrics_public=public)) as live:
+            for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/tokenize")):
+                for auth in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+                    r = httpx.request(method, live.url + path, headers=auth, json={"model": MODEL, "prompt": "a"})
+                    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, auth)
+                    assert r.headers["www-authenticate"] == "Bearer"
+            assert httpx.get(live.url + "/health").status_code == 200
+            metrics = httpx.get(live.url + "/metrics")
+            assert metrics.status_code == (200 if public else 401)
+            client = OpenAI(base_url=live.v1, api_key=key)
+            assert client.completions.create(model=MODEL, prompt="a", max_tokens=2).choices[0].text is not None
+            with pytest.raises(AuthenticationError):
+                OpenAI(base_url=live.v1, api_key="sk-wrong").models.list()
+
+
+def test_a_huge_body_is_refused_unread_and_never_stalls_other_clients() -> None:
+    """A 5 MB prompt (far beyond a 64-token context) is refused with 413 before it is read or tokenised, and
+    /health keeps answering within 0.5 s meanwhile."""
+    with live_server(tiny_engine(), MODEL) as live:
+        huge = {"model": MODEL, "prompt": "word " * 1_000_000, "max_tokens": 2}
+        latencies: list[float] = []
+
+        async def run() -> httpx.Response:
+            async with httpx.AsyncClient(base_url=live.url, timeout=60) as c:
+                task = asyncio.create_task(c.post("/v1/completions", json=huge))
+                while not task.done():
+                    start = time.perf_counter()
+                    assert (await c.get("/health")).status_code == 200
+                    latencies.append(time.perf_counter() - start)
+                    await asyncio.sleep(0.02)
+                return await task
+
+        refused = asyncio.run(run())
+        assert refused.status_code == 413 and "bytes" in refused.json()["error"]["message"]
+        assert latencies and max(latencies) < 0.5, latencies
+        assert greedy(live).status_code == 200
+
+
+def test_a_body_shorter_than_its_content_length_times_out_with_408() -> None:
+    import socket
+
+    with live_server(tiny_engine(), MODEL, guard=GuardConfig(read_timeout_s=1.0)) as live:
+        host, port = live.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"model\"")
+            start = time.monotonic()
+            answer = sock.recv(4096).decode()
+        assert answer.startswith("HTTP/1.1 408") and "did not arrive" in answer
+        assert time.monotonic() - start < 5
+        assert greedy(live).status_code == 200
 
 def test_one_failing_request_fails_alone(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = server.engine

@@ -25,7 +25,7 @@ from ..models.loader import LoadedModel
 from ..models.tokenizer import Tokenizer
 from ..request import Request
 from ..runner import ModelRunner, SeqInput
-from ..sampler import SamplingBatch, processed_probs, sample
+from ..sampler import SamplingBatch, positional_sample, processed_probs, sample
 from ..verification.lossy import AdaptiveThresholds, entropy
 from ..verification.policies import DRAFT_DISTRIBUTION_POLICIES, STOPS_DRAFTING
 from .base import Proposer
@@ -122,7 +122,7 @@ class DraftModelProposer(Proposer):
                                         device=logits.device)
             probs = processed_probs(logits, batch)
             soft, ent = self._soft(reqs, logits, probs)
-            for row, (i, tok) in enumerate(zip(live, sample(probs, batch).tolist())):
+            for row, (i, tok) in enumerate(zip(live, self._sample(reqs, logits, probs, batch, step))):
                 req = requests[i]
                 if soft is not None and req.acceptance in DRAFT_DISTRIBUTION_POLICIES:
                     if req.acceptance in STOPS_DRAFTING:  # AdaSD's generation rule (verification/lossy.py)
@@ -153,6 +153,21 @@ class DraftModelProposer(Proposer):
             if soft_rows[i]:
                 drafts[i].soft_probs = torch.stack(soft_rows[i])
         return drafts
+
+    @staticmethod
+    def _sample(reqs: list[Request], logits: torch.Tensor, probs: torch.Tensor, batch: SamplingBatch,
+                step: int) -> list[int]:
+        """One draft token per row. A request sampled by position drafts with the very noise the target will
+        sample that position with (a Gumbel coupling): where the two distributions agree the draft equals the
+        target's sample, so equality acceptance keeps it; where they do not, the target's own sample stands."""
+        tokens = sample(probs, batch).tolist()
+        coupled = [row for row, r in enumerate(reqs) if r.samples_by_position and not r.params.greedy]
+        if coupled:
+            index = torch.tensor(coupled, device=logits.device)
+            keys = [(reqs[row].noise_seed, reqs[row].num_tokens + step) for row in coupled]
+            for row, tok in zip(coupled, positional_sample(logits[index], probs[index], keys)[0]):
+                tokens[row] = tok
+        return tokens
 
     def _soft(self, reqs: list[Request], logits: torch.Tensor, probs: torch.Tensor
               ) -> tuple[torch.Tensor | None, list[float]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,33 +18,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import LLMEngine
 from .async_engine import AsyncEngine
 from .errors import (APIError, api_error_handler, bad_request, http_error_handler, internal_error_handler,
-                     json_error, validation_error_handler)
+                     validation_error_handler)
+from .guards import GuardConfig, RequestGuard, body_limit
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .serving import OpenAIServing
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
-
-def host_names_for(bind_host: str) -> frozenset[str] | None:
-    """The Host header names a server bound to `bind_host` answers: a loopback server only loopback names (a web
-    page on another site could otherwise read it through DNS rebinding); one bound wider, any name (None)."""
-    return frozenset(LOOPBACK_HOSTS) if bind_host in LOOPBACK_HOSTS else None
-
-
-def _host_name(header: str) -> str:
-    """'127.0.0.1:8000' -> '127.0.0.1', '[::1]:8000' -> '::1', 'localhost' -> 'localhost'."""
-    if header.startswith("["):
-        return header[1:].split("]", 1)[0]
-    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
-
-
-def build_app(engine: LLMEngine, model_name: str, max_pending: int = 256,
-              host_names: frozenset[str] | None = None) -> FastAPI:
+def build_app(engine: LLMEngine, model_name: str, max_pending: int = 256, guard: GuardConfig | None = None) -> FastAPI:
     """An app serving `engine` as `model_name`. At most `max_pending` engine requests (choices) are held at
-    once; beyond that new requests get 503 with Retry-After instead of queueing without bound. With
-    `host_names`, a request whose Host header names another host is refused (400)."""
+    once; beyond that new requests get 503 with Retry-After instead of queueing without bound. `guard` sets the
+    API key, the Host names answered and the body limits (guards.py; by default: none, any, the context's)."""
     metrics = ServerMetrics(model_name)
     async_engine = AsyncEngine(engine, max_pending, metrics.on_step)
     serving = OpenAIServing(async_engine, model_name)
@@ -62,15 +48,7 @@ def build_app(engine: LLMEngine, model_name: str, max_pending: int = 256,
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(Exception, internal_error_handler)
 
-    if host_names is not None:
-        @app.middleware("http")
-        async def check_host(request: Request, call_next: Any) -> Response:
-            name = _host_name(request.headers.get("host", "")).lower()
-            if name not in host_names:
-                return json_error(400, f"the Host header {name!r} does not name this server: a server bound to a "
-                                       f"loopback address answers only {', '.join(sorted(host_names))} (start it "
-                                       "with --host 0.0.0.0 to serve other names)", "invalid_request_error")
-            return await call_next(request)
+    app.add_middleware(RequestGuard, config=guard or GuardConfig(max_body_bytes=body_limit(engine.max_model_len)))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -92,10 +70,10 @@ def build_app(engine: LLMEngine, model_name: str, max_pending: int = 256,
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
         serving.check_model(req.model)
         if req.messages is not None:
-            ids = serving.chat_ids(req.messages, req.add_generation_prompt)
+            ids = await asyncio.to_thread(serving.chat_ids, req.messages, req.add_generation_prompt)
         else:
             assert req.prompt is not None
-            ids = serving.encode(req.prompt, req.add_special_tokens)
+            ids = await asyncio.to_thread(serving.encode, req.prompt, req.add_special_tokens)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -109,7 +87,8 @@ def build_app(engine: LLMEngine, model_name: str, max_pending: int = 256,
 
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest, raw: Request) -> dict[str, Any] | StreamingResponse:
-        run = serving.completion_run(req, time.monotonic())
+        # tokenising untrusted text takes time: off the event loop, which keeps serving every other client
+        run = serving.admit(await asyncio.to_thread(serving.completion_run, req, time.monotonic()))
         if req.stream:
             return StreamingResponse(serving.completion_stream(req, run), media_type="text/event-stream",
                                      headers=SSE_HEADERS)
@@ -117,7 +96,7 @@ def build_app(engine: LLMEngine, model_name: str, max_pending: int = 256,
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> dict[str, Any] | StreamingResponse:
-        run = serving.chat_run(req, time.monotonic())
+        run = serving.admit(await asyncio.to_thread(serving.chat_run, req, time.monotonic()))
         if req.stream:
             return StreamingResponse(serving.chat_stream(req, run), media_type="text/event-stream",
                                      headers=SSE_HEADERS)

@@ -265,10 +265,12 @@ class AsyncEngine:
             outputs = engine.step()
         except Exception as exc:  # one bad step fails its requests, not the server
             log.exception("engine step failed; failing the running requests")
-            message = "the engine failed while running this request's step (the server's log has the details)"
             fatal = isinstance(exc, TensorParallelError)  # no later step can run: fail everything and stop,
             # so /health turns unhealthy and a supervisor (Ray Serve, Kubernetes) replaces this server
             doomed = list(engine.requests) if fatal else [r.request_id for r in engine.scheduler.running]
+            # our own error says what broke (a rank exited); another exception's text stays in the log
+            message = (f"the engine stopped: {exc}" if fatal
+                       else "the engine failed while running this request's step (the server's log has the details)")
             failed = [out for out in (engine.fail_request(rid, message) for rid in doomed) if out is not None]
             if fatal:
                 self._post(failed)

@@ -121,7 +121,8 @@ class OpenAIServing:
         return jobs
 
     def admit(self, run: _Run) -> _Run:
-        """Hold engine seats for every job of the run now, or refuse the whole request."""
+        """Hold engine seats for every job of the run now, or refuse the whole request (on the event loop: the
+        seats are counted there)."""
         try:
             run.reservation = self.engine.reserve(len(run.jobs))
         except RequestTooLarge as exc:
@@ -211,8 +212,8 @@ class OpenAIServing:
             raise bad_request(str(exc), exc.param) from exc
         prompts = [self.encode(p) if isinstance(p, str) else p for p in raw]
         echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in raw] if req.echo else None
-        return self.admit(_Run(self.make_jobs(req, prompts, req.logprobs, req.max_tokens, echo), req.speculation,
-                               arrival, req.deterministic, req.acceptance))
+        return _Run(self.make_jobs(req, prompts, req.logprobs, req.max_tokens, echo), req.speculation, arrival,
+                    req.deterministic, req.acceptance)
 
     async def completion(self, req: CompletionRequest, run: _Run, is_disconnected: IsDisconnected) -> dict[str, Any]:
         outs = await self.collect(run, is_disconnected)
@@ -258,8 +259,8 @@ class OpenAIServing:
     def chat_run(self, req: ChatCompletionRequest, arrival: float) -> _Run:
         self.check_model(req.model)
         ids = self.chat_ids(req.messages, req.add_generation_prompt)
-        return self.admit(_Run(self.make_jobs(req, [ids], req.num_logprobs, req.requested_max_tokens),
-                               req.speculation, arrival, req.deterministic, req.acceptance))
+        return _Run(self.make_jobs(req, [ids], req.num_logprobs, req.requested_max_tokens), req.speculation, arrival,
+                    req.deterministic, req.acceptance)
 
     async def chat(self, req: ChatCompletionRequest, run: _Run, is_disconnected: IsDisconnected) -> dict[str, Any]:
         outs = await self.collect(run, is_disconnected)

@@ -54,7 +54,7 @@ class StepVerifier:
                 continue
             if s.request.draft.tree is not None and out.num_rows[i] > 1 and not s.request.check_tokens:
                 trees.append((s.request, out.row_start[i], out.num_rows[i]))
-            elif s.request.determinism:
+            elif s.request.samples_by_position:
                 invariant = self.batch_invariant or s.request.request_id in self.exact.exact_ids
                 exact.append(PickedRows(s.request, out.row_start[i], out.num_rows[i], s.start + s.num_new_tokens,
                                         invariant))
