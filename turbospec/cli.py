@@ -1,5 +1,5 @@
-"""Command line: ``turbospec pull | models | generate | serve | profile | calibrate-margin | search-layers |
-train-head | bench serve | simulate``.
+"""Command line: ``turbospec pull | models | chat | generate | serve | profile | calibrate-margin |
+search-layers | train-head | bench serve | simulate``.
 Bad input exits with code 2 and a one-line reason."""
 
 from __future__ import annotations
@@ -29,6 +29,16 @@ def _parser() -> argparse.ArgumentParser:
     pull.add_argument("name", help=f"one of {', '.join(sorted(registry.REGISTRY))}")
 
     sub.add_parser("models", help="list the registry models and whether they are pulled")
+
+    chat = sub.add_parser("chat", help="a conversation in the terminal (pulls the model if missing)")
+    chat.add_argument("model", help="registry name, .gguf path or HF directory (with a chat template)")
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--top-p", type=float, default=0.95)
+    chat.add_argument("--max-tokens", type=int, default=512, help="the longest answer")
+    chat.add_argument("--seed", type=int, default=None)
+    chat.add_argument("--ignore-eos", action="store_true", help="answer on past the end-of-sequence token, up to "
+                                                                 "--max-tokens (for timing)")
+    _engine_flags(chat)
 
     gen = sub.add_parser("generate", help="complete one prompt")
     gen.add_argument("--model", required=True, help="registry name, .gguf path, HF directory or dummy:<shape>")
@@ -328,6 +338,24 @@ def _train_head(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chat(args: argparse.Namespace) -> int:
+    from .chat_cli import TerminalChat
+    from .llm import LLM
+    from .sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed, ignore_eos=args.ignore_eos)
+        llm = LLM(args.model, dtype=args.dtype, weight_format=args.weight_format, max_model_len=args.max_model_len,
+                  num_threads=args.num_threads, tensor_parallel_size=args.tensor_parallel_size,
+                  speculative_config=args.speculative_config, deterministic=args.deterministic,
+                  verify_window=args.verify_window, margin_threshold=args.margin_threshold)
+        session = TerminalChat(llm, params)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    return session.run()
+
+
 def _generate(args: argparse.Namespace) -> int:
     from .llm import LLM
     from .sampling_params import SamplingParams
@@ -444,6 +472,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "generate":
             return _generate(args)
+        if args.command == "chat":
+            return _chat(args)
         if args.command == "profile":
             return _profile(args)
         if args.command == "calibrate-margin":

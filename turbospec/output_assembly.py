@@ -20,8 +20,9 @@ class OutputAssembler:
         self.max_model_len = max_model_len
         self.release = release  # a finished request's KV, proposer and controller state
 
-    def append(self, req: Request, tokens: Emitted, now: float) -> RequestOutput:
-        """Append sampled tokens, checking stop conditions after each; returns the request's delta output."""
+    def append(self, req: Request, tokens: Emitted, now: float, accepted_drafts: int = 0) -> RequestOutput:
+        """Append sampled tokens, checking stop conditions after each; returns the request's delta output (which
+        says how many of its tokens were accepted drafts: the first `accepted_drafts` of `tokens`)."""
         if req.first_token_time is None:
             req.first_token_time = now
         added: list[int] = []
@@ -40,7 +41,9 @@ class OutputAssembler:
             req.detokenizer.add(self.text_ids(req, added))
         if req.is_finished:
             self.release(req)
-        return self.output(req, added)
+        out = self.output(req, added)
+        out.delta_accepted_drafts = min(accepted_drafts, len(added))
+        return out
 
     @staticmethod
     def text_ids(req: Request, ids: list[int]) -> list[int]:

@@ -55,6 +55,7 @@ class RequestOutput:
     # New text / tokens since the previous output of this request (for streaming).
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    delta_accepted_drafts: int = 0  # how many of delta_token_ids were drafts the target accepted (speculation)
     error: str | None = None
     # The acceptance policy the request ran with (verification/policies.py) and the draft tokens it kept only because
     # that policy relaxed the exact rule. Anything but "exact" / "adasd-generation" is lossy.

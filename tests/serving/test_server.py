@@ -223,6 +223,27 @@ def test_speculation_can_be_turned_off_per_request(server: LiveServer) -> None:
     assert off["choices"][0]["text"] == on["choices"][0]["text"]
 
 
+
+def test_stream_chunks_say_how_many_of_their_tokens_were_accepted_drafts(server: LiveServer) -> None:
+    """An extension field OpenAI clients ignore: per chunk, the accepted drafts among its tokens; their sum is the
+    server's accepted-token count for the request, and a request without speculation has none."""
+    import json
+
+    engine = server.engine
+
+    def stream(extra: dict) -> list[int]:
+        body = {"model": MODEL, "prompt": SPEC_PROMPTS[1], "max_tokens": 40, "temperature": 0, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json={**body, **extra}, timeout=120) as r:
+            events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+        return [json.loads(e)["choices"][0]["accepted_draft_tokens"] for e in events[:-1] if json.loads(e)["choices"]]
+
+    before = engine.speculation.stats.num_accepted_tokens
+    counts = stream({})
+    assert sum(counts) == engine.speculation.stats.num_accepted_tokens - before > 0  # the prompt repeats itself
+    assert max(counts) >= 1 and min(counts) >= 0
+    assert sum(stream({"speculation": False})) == 0
+
+
 # --- bad input ----------------------------------------------------------------------------------------------------
 
 BAD_REQUESTS = [

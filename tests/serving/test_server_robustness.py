@@ -312,10 +312,10 @@ def test_one_failing_request_fails_alone(server: LiveServer, monkeypatch: pytest
     reference = greedy(server, "fine").json()["choices"][0]["text"]
     original = engine.emitter.append
 
-    def append_or_fail(req, tokens, now):  # the seed marks the request to break: a stand-in for a tokenizer bug
+    def append_or_fail(req, tokens, now, *rest):  # the seed marks the request to break: a tokenizer bug's stand-in
         if req.params.seed == 666:
             raise RuntimeError("detokenizer exploded")
-        return original(req, tokens, now)
+        return original(req, tokens, now, *rest)
 
     monkeypatch.setattr(engine.emitter, "append", append_or_fail)
     bad = {"model": MODEL, "prompt": "boom", "max_tokens": 8, "temperature": 1.0, "seed": 666}

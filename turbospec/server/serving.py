@@ -248,7 +248,8 @@ class OpenAIServing:
             if text or out.finished or logprobs:
                 yield chunk([{"index": job.index, "text": text, "logprobs": logprobs,
                               "finish_reason": c.finish_reason if out.finished else None,
-                              "stop_reason": c.stop_reason if out.finished else None}],
+                              "stop_reason": c.stop_reason if out.finished else None,
+                              "accepted_draft_tokens": out.delta_accepted_drafts}],
                             _acceptance_meta([out]) if out.finished else None)
         if req.include_usage:
             yield chunk([], {"usage": self._stream_usage(run, states)})
@@ -297,7 +298,8 @@ class OpenAIServing:
             if out.delta_text or out.finished or logprobs:
                 yield chunk([{"index": job.index, "delta": {"content": out.delta_text} if out.delta_text else {},
                               "logprobs": logprobs, "finish_reason": c.finish_reason if out.finished else None,
-                              "stop_reason": c.stop_reason if out.finished else None}],
+                              "stop_reason": c.stop_reason if out.finished else None,
+                              "accepted_draft_tokens": out.delta_accepted_drafts}],
                             _acceptance_meta([out]) if out.finished else None)
         if req.include_usage:
             yield chunk([], {"usage": self._stream_usage(run, states)})
