@@ -244,6 +244,26 @@ def test_stream_chunks_say_how_many_of_their_tokens_were_accepted_drafts(server:
     assert sum(stream({"speculation": False})) == 0
 
 
+
+def test_the_page_at_root_is_self_contained_and_its_stats_route_counts_drafts(server: LiveServer) -> None:
+    """GET / serves the chat page with nothing loaded from elsewhere (no CDN); GET /stats, which the page polls,
+    counts the tokens and accepted drafts the server produced."""
+    import re
+
+    page = httpx.get(server.url + "/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    html = page.text
+    assert "<script>" in html and "/v1/chat/completions" in html and "accepted_draft_tokens" in html
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html), "the page loads something from elsewhere"
+    before = httpx.get(server.url + "/stats").json()
+    body = {"model": MODEL, "prompt": SPEC_PROMPTS[1], "max_tokens": 24, "temperature": 0}
+    httpx.post(server.url + "/v1/completions", json=body, timeout=120).raise_for_status()
+    after = httpx.get(server.url + "/stats").json()
+    assert after["model"] == MODEL and after["speculation"].startswith("ngram")
+    assert after["generation_tokens"] - before["generation_tokens"] == 24
+    assert after["accepted_tokens"] > before["accepted_tokens"] and after["running"] == 0
+
+
 # --- bad input ----------------------------------------------------------------------------------------------------
 
 BAD_REQUESTS = [

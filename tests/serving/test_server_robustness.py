@@ -261,7 +261,8 @@ def test_an_api_key_guards_every_route_but_health() -> None:
                     r = httpx.request(method, live.url + path, headers=auth, json={"model": MODEL, "prompt": "a"})
                     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, auth)
                     assert r.headers["www-authenticate"] == "Bearer"
-            assert httpx.get(live.url + "/health").status_code == 200
+            assert httpx.get(live.url + "/health").status_code == 200 and httpx.get(live.url + "/").status_code == 200
+            assert httpx.get(live.url + "/stats").status_code == 401  # the page's numbers need the key
             metrics = httpx.get(live.url + "/metrics")
             assert metrics.status_code == (200 if public else 401)
             client = OpenAI(base_url=live.v1, api_key=key)

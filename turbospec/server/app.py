@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -49,6 +50,19 @@ def build_app(engine: LLMEngine, model_name: str, max_pending: int = 256, guard:
     app.add_exception_handler(Exception, internal_error_handler)
 
     app.add_middleware(RequestGuard, config=guard or GuardConfig(max_body_bytes=body_limit(engine.max_model_len)))
+
+    page = (Path(__file__).parent / "static" / "index.html").read_text()
+    spec = engine.config.speculative_config
+    speculation = "off" if spec is None else f"{spec.method}, k {engine.speculation.mode}"
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> HTMLResponse:
+        """A chat page over this server's own API, marking the text of steps that accepted drafts."""
+        return HTMLResponse(page)
+
+    @app.get("/stats")
+    async def stats() -> dict[str, object]:
+        return metrics.snapshot(speculation)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -23,7 +23,7 @@ BODY_READ_TIMEOUT_S = 30.0  # a client that announces a body and does not send i
 MIN_BODY_LIMIT = 1 << 20
 BYTES_PER_TOKEN_LIMIT = 64  # far above any tokenizer's text per token, JSON escapes included
 DRAIN_FACTOR = 64  # how far past the limit a refused body is still read (then the connection is answered)
-OPEN_PATHS = ("/health",)  # answered without the API key (liveness probes)
+OPEN_PATHS = ("/health", "/")  # answered without the API key (liveness probes; the page, which holds no data)
 
 
 def host_names_for(bind_host: str) -> frozenset[str] | None:

@@ -78,6 +78,19 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def snapshot(self, speculation: str) -> dict[str, object]:
+        """The numbers the web page polls (GET /stats): counters since start and the queue now."""
+        def value(name: str) -> float:
+            got = self.registry.get_sample_value(PREFIX + name, {"model_name": self.model_name})
+            return got or 0.0
+
+        return {"model": self.model_name, "speculation": speculation,
+                "generation_tokens": int(value("generation_tokens_total")),
+                "drafts": int(value("spec_decode_num_drafts_total")),
+                "draft_tokens": int(value("spec_decode_num_draft_tokens_total")),
+                "accepted_tokens": int(value("spec_decode_num_accepted_tokens_total")),
+                "running": int(value("num_requests_running")), "waiting": int(value("num_requests_waiting"))}
+
     # --- called in the engine thread -----------------------------------------------------------------------
 
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
