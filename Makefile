@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-fast bench-setup clean
+.PHONY: setup run test test-fast bench-setup browser clean
 
 setup: $(STAMP)
 
@@ -30,8 +30,16 @@ run: setup
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-test: setup
+test: setup browser
 	$(PYTEST) tests
+
+# Chromium from the distribution's packages, for the chat page's browser test (tests/serving/test_chat_page_browser.py);
+# where apt-get cannot install it, that test is skipped and says so
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+		timeout 600 apt-get install -y -q chromium >/dev/null 2>&1 || \
+		(timeout 300 apt-get update -q >/dev/null 2>&1 && timeout 600 apt-get install -y -q chromium >/dev/null 2>&1) || \
+		echo "chromium could not be installed with apt-get: the chat page's browser test will be skipped"
 
 test-fast: setup
 	$(PYTEST) -m "not slow" tests
