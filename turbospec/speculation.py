@@ -165,9 +165,7 @@ class Speculation:
     def propose(self, sched: SchedulerOutput) -> DraftCost:
         """Fill each scheduled request's draft (a draft model's cost is in its tokens and forwards, so it counts
         neither requests nor levels; a lookup costs nothing)."""
-        assert self.proposer is not None
-        for s in sched.scheduled:
-            s.request.draft = Draft([])
+        assert self.proposer is not None  # (every request enters a step draft-free: the last commit emptied it)
         spec = [s for s in sched.scheduled if s.num_spec_tokens > 0 and not s.request.check_tokens]
         if not spec:
             return DraftCost()

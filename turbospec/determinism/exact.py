@@ -91,6 +91,9 @@ class ExactDecoding:
         self.max_model_len = max_model_len
         self.rollback = rollback  # the proposer forgets what it computed past a cut (llm42 mismatches)
         self._threshold = config.margin_threshold
+        # where a threshold calibrated before may be found (a cache file, set by turbospec.tuning): read only when a
+        # request first asks for margin-gate, not at every engine start
+        self.threshold_lookup: Callable[[], float | None] | None = None
         self.stats = DeterminismStats()
         self.fixed_window = None if config.verify_window == "auto" else int(config.verify_window)
         self.exact_ids: set[str] = set()  # requests this step computes on the invariant path
@@ -113,6 +116,9 @@ class ExactDecoding:
         self._threshold = value
 
     def has_threshold(self) -> bool:
+        if self._threshold is None and self.threshold_lookup is not None:
+            lookup, self.threshold_lookup = self.threshold_lookup, None
+            self._threshold = lookup()
         return self._threshold is not None
 
     # --- which rows run exact ----------------------------------------------------------------------------

@@ -53,7 +53,6 @@ def build_app(engine: LLMEngine, model_name: str, max_pending: int = 256, guard:
 
     page = (Path(__file__).parent / "static" / "index.html").read_text()
     spec = engine.config.speculative_config
-    speculation = "off" if spec is None else f"{spec.method}, k {engine.speculation.mode}"
 
     @app.get("/", include_in_schema=False)
     async def index() -> HTMLResponse:
@@ -62,7 +61,8 @@ def build_app(engine: LLMEngine, model_name: str, max_pending: int = 256, guard:
 
     @app.get("/stats")
     async def stats() -> dict[str, object]:
-        return metrics.snapshot(speculation)
+        # (the mode may change at run time: set_speculation)
+        return metrics.snapshot("off" if spec is None else f"{spec.method}, k {engine.speculation.mode}")
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -127,10 +127,8 @@ class OpenAIServing:
             run.reservation = self.engine.reserve(len(run.jobs))
         except RequestTooLarge as exc:
             raise bad_request(str(exc), "n") from exc
-        except EngineOverloaded as exc:
-            raise APIError(503, str(exc), "overloaded_error", code="server_overloaded") from exc
-        except EngineDead as exc:
-            raise APIError(503, str(exc), "server_error", code="engine_dead") from exc
+        except (EngineOverloaded, EngineDead) as exc:
+            raise _engine_error(exc) from exc
         return run
 
     # --- running jobs ----------------------------------------------------------------------------------------

@@ -47,12 +47,15 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None, progre
         if config.deterministic == "margin-gate":
             ensure_margin_threshold(engine, progress)
         else:  # a request may still ask for margin-gate: offer it when this model was calibrated before
-            cached = MarginCalibration.load(calibration_path(engine))
-            if cached is not None:
-                engine.exact.set_threshold(cached.threshold)
+            engine.exact.threshold_lookup = lambda: _cached_threshold(engine)
     if engine.speculation.mode == "auto":
         ensure_controller(engine, progress)
     return engine
+
+
+def _cached_threshold(engine: LLMEngine) -> float | None:
+    cached = MarginCalibration.load(calibration_path(engine))
+    return None if cached is None else cached.threshold
 
 
 def ensure_controller(engine: LLMEngine, progress: bool = True) -> None:
