@@ -13,6 +13,8 @@ from .models.tokenizer import IncrementalDetokenizer, Tokenizer
 from .request import Request
 from .sampler import fold_seed, make_generator
 from .sampling_params import SamplingParams
+from .structured.constraints import start_grammar
+from .structured.matcher import GrammarState
 from .verification.policies import LOSSLESS_POLICIES, check_policy
 
 
@@ -40,6 +42,7 @@ class Admission:
             else:
                 prompt_token_ids = list(prompt)
         self.check_prompt(prompt_token_ids, params)
+        grammar = self.start_grammar(params, determinism)
         return Request(
             request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
             prompt=prompt if isinstance(prompt, str) else None,
@@ -48,8 +51,21 @@ class Admission:
             eos_token_ids=() if params.ignore_eos else self.tokenizer.eos_token_ids,
             logprobs=[] if params.logprobs is not None else None, speculate=speculate, determinism=determinism,
             noise_seed=fold_seed(params.seed) if params.seed is not None else int(torch.randint(2**31, ())),
-            acceptance=policy,
+            acceptance=policy, grammar=grammar,
         )
+
+    def start_grammar(self, params: SamplingParams, determinism: str | None) -> GrammarState | None:
+        """The request's grammar state, or None without structured outputs; GrammarError (a ValueError) says why
+        an ask cannot run."""
+        ask = params.structured_outputs
+        if ask is None:
+            return None
+        if determinism in ("llm42", "margin-gate"):
+            raise ValueError(f"structured outputs cannot be combined with the deterministic mode {determinism!r}: it "
+                             "replays held tokens that the grammar would have to take back (batch-invariant works)")
+        # jump-forward appends forced tokens without log-probs, so a request that asks for them samples every token
+        return start_grammar(ask, self.tokenizer, self.vocab_size, self.tokenizer.eos_token_ids,
+                             jump_forward=params.logprobs is None)
 
     def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if this prompt cannot run (empty, unknown ids, too long)."""

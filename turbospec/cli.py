@@ -11,10 +11,13 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import DETERMINISTIC_MODES, WEIGHT_FORMATS, int_list
 from .models import registry
+
+if TYPE_CHECKING:
+    from .structured.params import StructuredOutputsParams
 
 
 class UsageError(Exception):
@@ -53,6 +56,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--logprobs", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
+    shape = gen.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE", help="the answer must be JSON matching this schema file")
+    shape.add_argument("--json-object", action="store_true", help="the answer must be a JSON object")
+    shape.add_argument("--regex", help="the answer must match this regular expression")
+    shape.add_argument("--choice", action="append", help="the answer must be one of these strings (repeatable)")
+    shape.add_argument("--grammar", metavar="FILE", help="the answer must match this Lark or GBNF grammar file")
     _engine_flags(gen)
     gen.add_argument("--json", action="store_true", help="print {text, token_ids, prompt_token_ids, finish_reason}")
 
@@ -356,6 +365,29 @@ def _chat(args: argparse.Namespace) -> int:
     return session.run()
 
 
+def _structured_ask(args: argparse.Namespace) -> StructuredOutputsParams | None:
+    """The generate command's --json-schema / --json-object / --regex / --choice / --grammar, read before any model
+    loads (a missing or unparsable file is a usage error)."""
+    from .structured.params import StructuredOutputsParams
+
+    def read(flag: str, path: str) -> str:
+        try:
+            return Path(path).read_text()
+        except OSError as exc:
+            raise ValueError(f"{flag} {path}: cannot read it ({exc.strerror})") from None
+
+    if args.json_schema:
+        try:
+            return StructuredOutputsParams(json=read("--json-schema", args.json_schema))
+        except ValueError as exc:
+            raise ValueError(f"--json-schema {args.json_schema}: {exc}") from None
+    if args.grammar:
+        return StructuredOutputsParams(grammar=read("--grammar", args.grammar))
+    if args.json_object or args.regex or args.choice:
+        return StructuredOutputsParams(json_object=args.json_object, regex=args.regex, choice=args.choice)
+    return None
+
+
 def _generate(args: argparse.Namespace) -> int:
     from .llm import LLM
     from .sampling_params import SamplingParams
@@ -364,6 +396,7 @@ def _generate(args: argparse.Namespace) -> int:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             min_p=args.min_p, seed=args.seed, stop=args.stop, logprobs=args.logprobs, ignore_eos=args.ignore_eos,
+            structured_outputs=_structured_ask(args),
         )
         if not args.prompt:
             raise ValueError("--prompt is empty: give at least one character")

@@ -32,6 +32,7 @@ from .runner import ModelOutput, ModelRunner
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .speculation import DraftCost, Speculation, step_features
+from .structured.constraints import Constraints
 from .verification.lossy import AdaptiveThresholds
 from .verification.step import StepVerifier, Verified
 from .verification.tree import compaction
@@ -83,6 +84,7 @@ class LLMEngine:
         if proposer is not None and proposer.capture_layers:  # EAGLE reads these layers' outputs
             self.loaded.model.capture_layers = proposer.capture_layers
         self.speculation = Speculation(config, proposer, thresholds, self.scheduler, self.blocks, step_time_model)
+        self.constraints = Constraints(self.speculation)  # structured outputs: grammars over drafts and rows
         # positional sampling, llm42 windows and margin-gate checks for requests in a deterministic mode
         self.exact = ExactDecoding(config, self.tokenizer, self.max_model_len, self.speculation.rollback)
         self.admission = Admission(config, self.model_config, self.tokenizer, self.max_model_len, self.exact)
@@ -127,6 +129,10 @@ class LLMEngine:
 
     def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
         self.admission.check_prompt(ids, params)
+
+    def check_structured(self, params: SamplingParams, deterministic: str | None = None) -> None:
+        """Raise ValueError (GrammarError) if this request's structured-output ask cannot run."""
+        self.admission.start_grammar(params, deterministic)
 
     def request_determinism(self, value: str | None) -> str | None:
         return self.admission.request_determinism(value)
@@ -186,6 +192,7 @@ class LLMEngine:
         sched = self.scheduler.schedule(spec.budget if spec.active else None)
         scheduled = time.perf_counter()  # scheduling (and the controller's choice) is overhead, not drafting
         cost = spec.propose(sched) if spec.active else DraftCost()
+        self.constraints.cut_drafts(sched)
         proposed = time.perf_counter()
         if sched.is_empty:
             self.last_step = StepStats(0, 0, len(sched.preempted), proposed - start)
@@ -196,6 +203,7 @@ class LLMEngine:
         features = step_features(sched, cost) if spec.learning or self.sample_steps else None
         model_out = self.runner.execute(sched, self.exact.exact_ids)
         forwarded = time.perf_counter()
+        self.constraints.mask(sched, model_out)
         if cost.tokens:  # AdaSD weighs a draft step against this (verification/lossy.py)
             spec.thresholds.observe_costs(target_step_s=forwarded - proposed)
         verified = self.verifier.verify(sched, model_out)
@@ -237,7 +245,10 @@ class LLMEngine:
                         self.exact.hold(req, [t for t, _ in result[0]])  # output once its window is checked
                     elif result[0]:  # (margin-gate may hold back every token of this step)
                         drafts_kept = 0 if rid in verified.checked else accepted  # (held tokens are no drafts)
-                        outputs.append(self.emitter.append(req, result[0], now, drafts_kept))
+                        # what a grammar forces next rides along, without log-probs; its KV is the next step's
+                        forced = self.constraints.extend(req, [t for t, _ in result[0]], self.max_model_len)
+                        tokens = result[0] + [(t, None) for t in forced]
+                        outputs.append(self.emitter.append(req, tokens, now, drafts_kept))
                 except Exception as exc:  # e.g. the tokenizer fails on this request's text: fail it alone
                     log.exception("request %s failed while appending tokens", rid)
                     failed = self.fail_request(rid, f"{type(exc).__name__}: {exc}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +13,9 @@ from .draft import Draft
 from .models.tokenizer import IncrementalDetokenizer
 from .outputs import Logprob
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .structured.matcher import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -63,6 +67,8 @@ class Request:
     # Acceptance policy (verification/policies.py): "exact" (lossless) unless the request or the engine asks for another.
     acceptance: str = "exact"
     relaxed_tokens: int = 0  # draft tokens kept only because a lossy policy relaxed the exact rule
+    # structured outputs: the grammar its tokens must match, advanced by every committed token (structured/)
+    grammar: GrammarState | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

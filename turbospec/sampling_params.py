@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .structured.params import StructuredOutputsParams
+
 # Below this temperature sampling is treated as greedy argmax: dividing logits
 # by a tiny temperature overflows float32 and gives the same answer anyway.
 _GREEDY_EPS = 1e-5
@@ -66,6 +68,8 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # the output must match a JSON schema, a regex, a choice or a grammar (structured/params.py)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n)
@@ -111,6 +115,14 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                                 f"{type(self.structured_outputs).__name__}")
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with structured_outputs: a finished grammar only "
+                                 "allows the end of the answer")
 
     @staticmethod
     def _normalise_stop(stop: Any) -> list[str]:

@@ -62,6 +62,9 @@ class Speculation:
         if step_time_model is not None:
             self.attach_step_time_model(step_time_model)
         self._lookups: dict[str, list[int]] = {}  # auto mode with free lookups: made before the choice of k
+        # requests the proposer drafted for this step: it hears how each verification went even where a grammar
+        # then cut the draft to nothing (a draft model must forget the KV of what it drafted)
+        self._drafted: set[str] = set()
         self.record_history = False
         self.history: list[dict[str, float | int | None]] = []
         # (request id, drafts verified, drafts accepted) per verification, when set to a list: the traces that
@@ -167,11 +170,13 @@ class Speculation:
         neither requests nor levels; a lookup costs nothing)."""
         assert self.proposer is not None  # (every request enters a step draft-free: the last commit emptied it)
         spec = [s for s in sched.scheduled if s.num_spec_tokens > 0 and not s.request.check_tokens]
+        self._drafted = set()
         if not spec:
             return DraftCost()
         if self.mode == "auto" and self.proposer.free_lookups:
             for s in spec:
                 s.request.draft = Draft(self._lookups.get(s.request.request_id, [])[: s.num_spec_tokens])
+            self._drafted = {s.request.request_id for s in spec if s.request.draft.tokens}
             return DraftCost()
         # a draft model runs over the tokens it has not seen, then one token per further draft step (counted once
         # drafted: a confidence stop may end a draft before its k)
@@ -185,6 +190,7 @@ class Speculation:
             if d.tree is not None and d.tree.is_chain and not self.proposer.observes_trees:
                 d.tree = None
             s.request.draft = d
+        self._drafted = {s.request.request_id for s, d in zip(spec, drafts) if d.tokens}
         drafting = sum(1 for d in drafts if d.tokens) if self.proposer.needs_hidden else 0
         levels = self.proposer.draft_levels(max(s.num_spec_tokens for s in spec)) if drafting else 0
         return DraftCost(tokens, drafting, levels)
@@ -213,8 +219,8 @@ class Speculation:
             self.stats.observe(num_drafts, accepted, None if tree is None else max(tree.depth))
             if self.verify_trace is not None:
                 self.verify_trace.append((req.request_id, num_drafts, accepted))
-            if not req.is_finished:
-                self.proposer.on_verified(req, accepted)
+        if self.proposer is not None and req.request_id in self._drafted and not req.is_finished:
+            self.proposer.on_verified(req, accepted)
         if self.learning and emitted is not None:
             self._observe_acceptance(req, num_drafts, accepted, emitted, tree_path)
 

@@ -296,7 +296,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
      "needs logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, "response_format", "only"),
+                              "response_format": {"type": "json_xml"}}, "response_format.type", "json_schema"),
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, None, "exactly one"),
     ("/detokenize", {"tokens": [10**7]}, "tokens", "ids in"),
 ]

@@ -18,7 +18,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]: ...
     def token_text(self, token_id: int) -> str: ...
 
 
@@ -63,11 +64,17 @@ class HFTokenizer:
     def has_chat_template(self) -> bool:
         return bool(self.hf.chat_template)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    @property
+    def template_has_tools(self) -> bool:
+        """Whether the chat template formats a `tools` list itself (Qwen2.5's does; others get a system prompt)."""
+        return "tools" in (getattr(self.hf, "chat_template", None) or "")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         if not self.has_chat_template:
             raise ValueError("this model has no chat template (a base model?): use generate() with a plain prompt")
         out = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                          return_dict=False)
+                                          return_dict=False, tools=tools)
         if isinstance(out, dict) or hasattr(out, "input_ids"):
             out = out["input_ids"]
         return list(out)
@@ -94,7 +101,10 @@ class ByteTokenizer:
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id])
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    template_has_tools = False
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
 

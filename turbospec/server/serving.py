@@ -13,6 +13,9 @@ from typing import Any
 
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
+from ..structured.grammar import GrammarError
+from ..structured.params import StructuredOutputsParams
+from ..structured.tools import ToolCallStream, call_schema, parse_tool_calls, system_prompt, tool_grammar
 from .async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestFailed, RequestTooLarge, Reservation
 from .errors import APIError, bad_request, error_body, param_of
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, UnsupportedValue, _SamplingFields
@@ -79,17 +82,26 @@ class OpenAIServing:
             raise bad_request("the prompt could not be tokenized: it must be valid Unicode text (no lone surrogate "
                               "code points)", "prompt") from exc
 
-    def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                 tools: list[dict[str, Any]] | None = None) -> list[int]:
+        turns = [m.as_template_message() for m in messages]
+        if tools and not self.tokenizer.template_has_tools:  # the template ignores tools: say them in a system turn
+            if turns[0]["role"] == "system":
+                turns[0] = {**turns[0], "content": f"{turns[0]['content']}\n\n{system_prompt(tools)}"}
+            else:
+                turns.insert(0, {"role": "system", "content": system_prompt(tools)})
+            tools = None
         try:
-            return self.tokenizer.apply_chat_template([m.as_template_message() for m in messages],
-                                                      add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, tools=tools)
         except Exception as exc:  # templates raise for bad role orders and more
             raise bad_request(f"the chat template refused these messages: {exc}", "messages") from exc
 
     def make_jobs(self, req: _SamplingFields, prompts: list[list[int]], logprobs: int | None,
-                  max_tokens: int | None, echo: list[str] | None = None) -> list[Job]:
+                  max_tokens: int | None, echo: list[str] | None = None,
+                  tool_ask: StructuredOutputsParams | None = None) -> list[Job]:
         try:
             req.check_supported()
+            ask = tool_ask or req.structured_ask()
         except UnsupportedValue as exc:
             raise bad_request(str(exc), exc.param) from exc
         try:
@@ -108,8 +120,12 @@ class OpenAIServing:
                                   f"{self.max_model_len} tokens (prompt plus output)", "prompt")
             try:
                 # no max_tokens: whatever the context leaves, as vLLM does
-                params = req.sampling_params(max_tokens or self.max_model_len - len(ids), logprobs)
+                params = req.sampling_params(max_tokens or self.max_model_len - len(ids), logprobs, ask)
                 self.engine.engine.check_prompt(ids, params)
+                if p == 0 and ask is not None:  # (the same ask for every prompt)
+                    self.engine.engine.check_structured(params, determinism)
+            except GrammarError as exc:
+                raise bad_request(str(exc), "tools" if tool_ask else req.structured_param) from exc
             except ValueError as exc:
                 message = str(exc)
                 raise bad_request(message, param_of(message, SAMPLING_FIELDS) or
@@ -257,20 +273,38 @@ class OpenAIServing:
 
     def chat_run(self, req: ChatCompletionRequest, arrival: float) -> _Run:
         self.check_model(req.model)
-        ids = self.chat_ids(req.messages, req.add_generation_prompt)
-        return _Run(self.make_jobs(req, [ids], req.num_logprobs, req.requested_max_tokens), req.speculation, arrival,
-                    req.deterministic, req.acceptance)
+        tools = [t.model_dump(by_alias=True, exclude_none=True) for t in req.tools] if req.tools else None
+        for i, tool in enumerate(tools or []):  # a bad parameters schema is refused even where nothing forces calls
+            try:
+                self.engine.engine.check_structured(
+                    SamplingParams(structured_outputs=StructuredOutputsParams(json=call_schema(tool))))
+            except ValueError as exc:
+                raise bad_request(f"tools[{i}] ({tool['function']['name']}): its parameters are not a usable JSON "
+                                  f"schema: {exc}", "tools") from exc
+        forced = req.forced_tools
+        ids = self.chat_ids(req.messages, req.add_generation_prompt, tools)  # ("none" too: the history may call them)
+        tool_ask = tool_grammar(forced, self.tokenizer, many=req.tool_choice == "required") if forced else None
+        return _Run(self.make_jobs(req, [ids], req.num_logprobs, req.requested_max_tokens, tool_ask=tool_ask),
+                    req.speculation, arrival, req.deterministic, req.acceptance)
 
     async def chat(self, req: ChatCompletionRequest, run: _Run, is_disconnected: IsDisconnected) -> dict[str, Any]:
         outs = await self.collect(run, is_disconnected)
         choices = []
         for job, out in zip(run.jobs, outs):
             c = out.outputs[0]
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish_reason = c.finish_reason
+            if req.calls_tools:
+                content, calls = parse_tool_calls(c.text, req.tool_names)
+                if calls:
+                    message = {"role": "assistant", "content": content,
+                               "tool_calls": [call.as_openai() for call in calls]}
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             choices.append({
-                "index": job.index, "message": {"role": "assistant", "content": c.text},
+                "index": job.index, "message": message,
                 "logprobs": None if c.logprobs is None else
                 chat_logprobs(c.token_ids, c.logprobs, self.tokenizer.token_text, req.top_logprobs or 0),
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                "finish_reason": finish_reason, "stop_reason": c.stop_reason,
             })
         return {**self._envelope("chatcmpl", "chat.completion", run), "choices": choices,
                 "usage": self._usage(run, outs), **_acceptance_meta(outs)}
@@ -278,6 +312,7 @@ class OpenAIServing:
     async def chat_stream(self, req: ChatCompletionRequest, run: _Run) -> AsyncIterator[str]:
         states = {job.index: _ChoiceState() for job in run.jobs}
         chunk = self._chunker("chatcmpl", "chat.completion.chunk", run, req)
+        calls = {job.index: ToolCallStream(req.tool_names) for job in run.jobs} if req.calls_tools else {}
 
         for job in run.jobs:  # the role comes first, as OpenAI sends it
             yield chunk([{"index": job.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -293,9 +328,21 @@ class OpenAIServing:
                 logprobs = chat_logprobs(out.delta_token_ids, c.logprobs[len(c.logprobs) - n:],
                                          self.tokenizer.token_text, req.top_logprobs or 0)
             st.tokens = len(c.token_ids)
-            if out.delta_text or out.finished or logprobs:
-                yield chunk([{"index": job.index, "delta": {"content": out.delta_text} if out.delta_text else {},
-                              "logprobs": logprobs, "finish_reason": c.finish_reason if out.finished else None,
+            delta: dict[str, Any] = {"content": out.delta_text} if out.delta_text else {}
+            finish_reason = c.finish_reason
+            if job.index in calls:  # tool calls: content up to the first call, the calls once complete
+                stream = calls[job.index]
+                text = stream.feed(out.delta_text)
+                delta = {"content": text} if text else {}
+                if out.finished:
+                    rest, found = stream.finish()
+                    delta = {"content": text + rest} if text + rest else {}
+                    if found:
+                        delta["tool_calls"] = [call.as_openai(i) for i, call in enumerate(found)]
+                        finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            if delta or out.finished or logprobs:
+                yield chunk([{"index": job.index, "delta": delta,
+                              "logprobs": logprobs, "finish_reason": finish_reason if out.finished else None,
                               "stop_reason": c.stop_reason if out.finished else None,
                               "accepted_draft_tokens": out.delta_accepted_drafts}],
                             _acceptance_meta([out]) if out.finished else None)

@@ -18,6 +18,12 @@ class SpecDecodingStats:
     k_histogram: list[int] = field(default_factory=list)
     # draft tokens kept only because a lossy acceptance policy relaxed the exact rule (verification/lossy.py)
     num_relaxed_tokens: int = 0
+    # structured outputs (structured/constraints.py): drafts the grammar cut short and the tokens cut, tokens the
+    # grammar forced (appended without sampling), and the time spent computing token masks
+    num_grammar_cuts: int = 0
+    num_grammar_cut_tokens: int = 0
+    num_forced_tokens: int = 0
+    grammar_mask_seconds: float = 0.0
 
     def observe_choice(self, k: int) -> None:
         if k >= len(self.k_histogram):
