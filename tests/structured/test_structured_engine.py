@@ -64,7 +64,7 @@ def test_json_schema_answers_validate_and_match_plain_decoding(plain: LLM, metho
     assert chats(llm, schema_params()) == expected
     stats = llm.spec_stats()
     assert stats["num_draft_tokens"] > 0 and stats["num_forced_tokens"] > 0
-    assert stats["grammar_mask_seconds"] > 0
+    assert stats["grammar_seconds"] > 0
 
 
 def test_drafts_the_grammar_refuses_are_cut_and_counted() -> None:

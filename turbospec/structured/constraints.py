@@ -56,11 +56,13 @@ class Constraints:
             req = s.request
             if req.grammar is None or not req.draft.tokens:
                 continue
+            start = time.perf_counter()
             before = len(req.draft.tokens)
             req.draft = _pruned(req.draft, req.grammar)
             if len(req.draft.tokens) < before:
                 self.stats.num_grammar_cuts += 1
                 self.stats.num_grammar_cut_tokens += before - len(req.draft.tokens)
+            self.stats.grammar_seconds += time.perf_counter() - start
 
     def mask(self, sched: SchedulerOutput, out: ModelOutput) -> None:
         """After the forward: each constrained row's disallowed tokens get -inf logits."""
@@ -75,7 +77,7 @@ class Constraints:
                 rows = out.logits[out.row_start[i]: out.row_start[i] + n]
                 rows.masked_fill_(~torch.from_numpy(allowed).to(rows.device), float("-inf"))
         if any(s.request.grammar is not None for s in sched.scheduled):
-            self.stats.grammar_mask_seconds += time.perf_counter() - start
+            self.stats.grammar_seconds += time.perf_counter() - start
 
     def extend(self, req: Request, tokens: list[int], max_model_len: int) -> list[int]:
         """At commit, before the step's tokens are appended: advance the grammar over them and return the
@@ -84,6 +86,13 @@ class Constraints:
         state = req.grammar
         if state is None:
             return []
+        start = time.perf_counter()
+        try:
+            return self._extend(req, state, tokens, max_model_len)
+        finally:
+            self.stats.grammar_seconds += time.perf_counter() - start
+
+    def _extend(self, req: Request, state: GrammarState, tokens: list[int], max_model_len: int) -> list[int]:
         ends = [i for i, t in enumerate(tokens) if t in req.eos_token_ids or t in req.params.stop_token_ids]
         state.advance(tokens[: ends[0]] if ends else tokens)  # (the answer ends at EOS: a stopped grammar allows it)
         if state.error is not None:

@@ -19,11 +19,11 @@ class SpecDecodingStats:
     # draft tokens kept only because a lossy acceptance policy relaxed the exact rule (verification/lossy.py)
     num_relaxed_tokens: int = 0
     # structured outputs (structured/constraints.py): drafts the grammar cut short and the tokens cut, tokens the
-    # grammar forced (appended without sampling), and the time spent computing token masks
+    # grammar forced (appended without sampling), and the time spent in grammars (masks, draft checks, advancing)
     num_grammar_cuts: int = 0
     num_grammar_cut_tokens: int = 0
     num_forced_tokens: int = 0
-    grammar_mask_seconds: float = 0.0
+    grammar_seconds: float = 0.0
 
     def observe_choice(self, k: int) -> None:
         if k >= len(self.k_histogram):
