@@ -237,7 +237,7 @@ class LLMEngine:
                         self.exact.hold(req, [t for t, _ in result[0]])  # output once its window is checked
                     elif result[0]:  # (margin-gate may hold back every token of this step)
                         drafts_kept = 0 if rid in verified.checked else accepted  # (held tokens are no drafts)
-                        outputs.append(self.emitter.append(req, result[0], now, drafts_kept))
+                        outputs.append(self.emitter.append(req, result[0], now, drafts_kept, num_drafts))
                 except Exception as exc:  # e.g. the tokenizer fails on this request's text: fail it alone
                     log.exception("request %s failed while appending tokens", rid)
                     failed = self.fail_request(rid, f"{type(exc).__name__}: {exc}")
