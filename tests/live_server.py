@@ -34,8 +34,9 @@ class LiveServer:
 
 @contextmanager
 def live_server(engine: LLMEngine, model_name: str, max_pending: int = 256,
-                guard: GuardConfig | None = None) -> Iterator[LiveServer]:
-    port = free_port()
+                guard: GuardConfig | None = None, port: int | None = None) -> Iterator[LiveServer]:
+    """`port`: a given one (a server started again where a client expects it); by default a free one."""
+    port = port or free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(engine, model_name, max_pending, guard), host="127.0.0.1",
                                            port=port, log_level="warning", timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, daemon=True)

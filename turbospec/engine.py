@@ -248,7 +248,7 @@ class LLMEngine:
                         # what a grammar forces next rides along, without log-probs; its KV is the next step's
                         forced = self.constraints.extend(req, [t for t, _ in result[0]], self.max_model_len)
                         tokens = result[0] + [(t, None) for t in forced]
-                        outputs.append(self.emitter.append(req, tokens, now, drafts_kept))
+                        outputs.append(self.emitter.append(req, tokens, now, drafts_kept, num_drafts))
                 except Exception as exc:  # e.g. the tokenizer fails on this request's text: fail it alone
                     log.exception("request %s failed while appending tokens", rid)
                     failed = self.fail_request(rid, f"{type(exc).__name__}: {exc}")

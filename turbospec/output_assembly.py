@@ -20,30 +20,46 @@ class OutputAssembler:
         self.max_model_len = max_model_len
         self.release = release  # a finished request's KV, proposer and controller state
 
-    def append(self, req: Request, tokens: Emitted, now: float, accepted_drafts: int = 0) -> RequestOutput:
+    def append(self, req: Request, tokens: Emitted, now: float, accepted_drafts: int = 0,
+               proposed_drafts: int = 0) -> RequestOutput:
         """Append sampled tokens, checking stop conditions after each; returns the request's delta output (which
-        says how many of its tokens were accepted drafts: the first `accepted_drafts` of `tokens`)."""
+        says how many of its tokens were accepted drafts: the first `accepted_drafts` of `tokens`, out of the
+        `proposed_drafts` this step verified)."""
         if req.first_token_time is None:
             req.first_token_time = now
         added: list[int] = []
-        for tok, lp in tokens:
+        for i, (tok, lp) in enumerate(tokens):
             req.output_token_ids.append(tok)
             added.append(tok)
             if lp is not None and req.logprobs is not None:
                 req.logprobs.append(lp)
                 req.cumulative_logprob += lp[tok].logprob
             self._check_stop_token(req, tok)
-            if req.params.stop:  # token by token, so no token after a stop string is kept (speculative == plain)
-                self._check_stop_strings(req, req.detokenizer.add(self.text_ids(req, [tok])))
+            # token by token, as plain decoding does: no token after a stop string is kept, and each character
+            # is known to come from an accepted draft or from the target
+            self._check_stop_strings(req, self._detokenize(req, tok, i < accepted_drafts))
             if req.is_finished:
                 break
-        if not req.params.stop:
-            req.detokenizer.add(self.text_ids(req, added))
         if req.is_finished:
             self.release(req)
         out = self.output(req, added)
-        out.delta_accepted_drafts = min(accepted_drafts, len(added))
+        out.delta_accepted_drafts, out.delta_proposed_drafts = min(accepted_drafts, len(added)), proposed_drafts
         return out
+
+    def _detokenize(self, req: Request, tok: int, drafted: bool) -> str:
+        """Add `tok` to the request's text; for an accepted draft, record the characters it completed."""
+        shown = self.text_ids(req, [tok])
+        if not shown:
+            return ""
+        start = len(req.detokenizer.text)
+        delta = req.detokenizer.add(shown)
+        if drafted and delta:
+            spans = req.drafted_chars
+            if spans and spans[-1][1] == start:
+                spans[-1] = (spans[-1][0], start + len(delta))
+            else:
+                spans.append((start, start + len(delta)))
+        return delta
 
     @staticmethod
     def text_ids(req: Request, ids: list[int]) -> list[int]:
@@ -91,7 +107,9 @@ class OutputAssembler:
         # text that the stop string later cuts away.
         hold = 0 if req.is_finished or not req.params.stop else max(len(s) for s in req.params.stop) - 1
         end = max(req.num_sent_chars, len(text) - hold)
-        delta, req.num_sent_chars = text[req.num_sent_chars:end], end
+        delta, start, req.num_sent_chars = text[req.num_sent_chars:end], req.num_sent_chars, end
+        runs = text_runs(delta, start, req.drafted_chars)
+        req.drafted_chars = [s for s in req.drafted_chars if s[1] > end]  # only unsent text needs its origin
         completion = CompletionOutput(
             index=0, text=text, token_ids=list(req.output_token_ids),
             cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
@@ -101,4 +119,23 @@ class OutputAssembler:
                                  time.monotonic() if req.is_finished else None, req.num_cached_tokens,
                                  req.num_preemptions, req.first_scheduled_time)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.is_finished,
-                             metrics, delta, added, acceptance=req.acceptance, relaxed_tokens=req.relaxed_tokens)
+                             metrics, delta, added, delta_text_runs=runs, acceptance=req.acceptance,
+                             relaxed_tokens=req.relaxed_tokens)
+
+
+def text_runs(text: str, offset: int, drafted: list[tuple[int, int]]) -> list[tuple[str, bool]]:
+    """`text`, which starts at character `offset` of the output, cut into runs: (piece, True) where accepted drafts
+    produced it, (piece, False) where the target did. `drafted`: sorted, disjoint [start, end) character spans."""
+    runs: list[tuple[str, bool]] = []
+    pos, end = offset, offset + len(text)
+    for a, b in drafted:
+        a, b = max(a, pos), min(b, end)
+        if a >= b:
+            continue
+        if a > pos:
+            runs.append((text[pos - offset:a - offset], False))
+        runs.append((text[a - offset:b - offset], True))
+        pos = b
+    if pos < end:
+        runs.append((text[pos - offset:], False))
+    return runs

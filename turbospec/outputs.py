@@ -56,6 +56,10 @@ class RequestOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     delta_accepted_drafts: int = 0  # how many of delta_token_ids were drafts the target accepted (speculation)
+    delta_proposed_drafts: int = 0  # how many drafts the step verified (0 without speculation)
+    # delta_text cut into runs, True where accepted drafts produced the characters: a character split across
+    # tokens belongs to the token that completes it
+    delta_text_runs: list[tuple[str, bool]] = field(default_factory=list)
     error: str | None = None
     # The acceptance policy the request ran with (verification/policies.py) and the draft tokens it kept only because
     # that policy relaxed the exact rule. Anything but "exact" / "adasd-generation" is lossy.

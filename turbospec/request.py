@@ -48,6 +48,8 @@ class Request:
     cumulative_logprob: float = 0.0
     first_token_time: float | None = None
     num_sent_chars: int = 0  # output text already handed out as deltas
+    # [start, end) character spans of the output text that accepted drafts produced and no delta has sent yet
+    drafted_chars: list[tuple[int, int]] = field(default_factory=list)
     first_scheduled_time: float | None = None  # when it first left the waiting queue (queue time ends)
     speculate: bool = True  # False: never given draft tokens (a per-request opt-out)
     # None, or how this request is made deterministic (config.DETERMINISTIC_MODES); see determinism/

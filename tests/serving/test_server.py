@@ -224,18 +224,24 @@ def test_speculation_can_be_turned_off_per_request(server: LiveServer) -> None:
 
 
 
+def _stream_events(server: LiveServer, path: str, body: dict) -> list[dict]:
+    import json
+
+    with httpx.stream("POST", server.url + path, json={"model": MODEL, "stream": True, **body}, timeout=120) as r:
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
 def test_stream_chunks_say_how_many_of_their_tokens_were_accepted_drafts(server: LiveServer) -> None:
     """An extension field OpenAI clients ignore: per chunk, the accepted drafts among its tokens; their sum is the
     server's accepted-token count for the request, and a request without speculation has none."""
-    import json
-
     engine = server.engine
 
     def stream(extra: dict) -> list[int]:
-        body = {"model": MODEL, "prompt": SPEC_PROMPTS[1], "max_tokens": 40, "temperature": 0, "stream": True}
-        with httpx.stream("POST", server.url + "/v1/completions", json={**body, **extra}, timeout=120) as r:
-            events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
-        return [json.loads(e)["choices"][0]["accepted_draft_tokens"] for e in events[:-1] if json.loads(e)["choices"]]
+        body = {"prompt": SPEC_PROMPTS[1], "max_tokens": 40, "temperature": 0}
+        events = _stream_events(server, "/v1/completions", {**body, **extra})
+        return [e["choices"][0]["accepted_draft_tokens"] for e in events if e["choices"]]
 
     before = engine.speculation.stats.num_accepted_tokens
     counts = stream({})
@@ -243,6 +249,55 @@ def test_stream_chunks_say_how_many_of_their_tokens_were_accepted_drafts(server:
     assert max(counts) >= 1 and min(counts) >= 0
     assert sum(stream({"speculation": False})) == 0
 
+
+def test_stream_chunks_mark_each_tokens_text_as_accepted_draft_or_target(server: LiveServer) -> None:
+    """Each chunk is one engine step: its tokens are the accepted drafts first, then the target's own token. Its
+    text_origins cut its text at exactly that boundary (checked against the chunk's per-token log-prob entries),
+    and proposed_draft_tokens sums to the drafts the server verified for the request."""
+    stats = server.engine.speculation.stats
+    before = stats.num_draft_tokens, stats.num_accepted_tokens
+    messages = [{"role": "user", "content": SPEC_PROMPTS[1]}]
+    events = _stream_events(server, "/v1/chat/completions",
+                            {"messages": messages, "max_tokens": 40, "temperature": 0, "logprobs": True})
+    steps = [c for e in events for c in e["choices"] if "proposed_draft_tokens" in c]
+    hidden = {server.engine.tokenizer.token_text(t) for t in server.engine.tokenizer.eos_token_ids}  # no text
+    for c in steps:
+        tokens = [t["token"] if t["token"] not in hidden else "" for t in c["logprobs"]["content"]]
+        drafts = c["accepted_draft_tokens"]
+        by_origin = {o: "".join(r["text"] for r in c["text_origins"] if r["origin"] == o) for o in ("draft", "target")}
+        assert by_origin == {"draft": "".join(tokens[:drafts]), "target": "".join(tokens[drafts:])}, c
+        assert "".join(r["text"] for r in c["text_origins"]) == c["delta"].get("content", "")
+        assert 0 <= drafts <= c["proposed_draft_tokens"]
+    assert sum(c["proposed_draft_tokens"] for c in steps) == stats.num_draft_tokens - before[0]
+    assert sum(c["accepted_draft_tokens"] for c in steps) == stats.num_accepted_tokens - before[1] > 0
+    assert any(r["origin"] == "draft" for c in steps for r in c["text_origins"])
+    echoed = _stream_events(server, "/v1/completions", {"prompt": SPEC_PROMPTS[1], "max_tokens": 8, "echo": True})
+    first = echoed[0]["choices"][0]
+    assert first["text_origins"][0] == {"text": SPEC_PROMPTS[1], "origin": "prompt"}
+    assert all("".join(r["text"] for r in e["choices"][0]["text_origins"]) == e["choices"][0]["text"] for e in echoed)
+
+
+def test_a_character_split_between_drafts_and_the_target_token_is_the_targets(server: LiveServer) -> None:
+    """Incremental detokenising holds back a character whose bytes are not all there yet: when the accepted drafts
+    end inside one, the target token that completes it gets the whole character."""
+    from turbospec.models.tokenizer import IncrementalDetokenizer
+    from turbospec.output_assembly import OutputAssembler
+    from turbospec.request import Request
+
+    tok = server.engine.tokenizer
+    ids = tok.encode(" the cat \U0001f408 sat", add_special_tokens=False)
+    cut = max(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd"))  # drafts end mid-character
+    assembler = OutputAssembler(tok, None, 512, lambda _: None)  # (no stop, no finish: nothing reaches them)
+    req = Request("r", [1], SamplingParams(max_tokens=64), IncrementalDetokenizer(tok), None)
+    out = assembler.append(req, [(t, None) for t in ids[:cut + 1]], 0.0, accepted_drafts=cut, proposed_drafts=5)
+    assert tok.decode(ids[:cut + 1]).endswith("\U0001f408") and out.delta_text == tok.decode(ids[:cut + 1])
+    drafted = "".join(t for t, d in out.delta_text_runs if d)
+    assert drafted and "\ufffd" not in drafted and out.delta_text.startswith(drafted)
+    target = out.delta_text_runs[-1]
+    assert target == (out.delta_text[len(drafted):], False) and "\U0001f408" in target[0]
+    assert (out.delta_accepted_drafts, out.delta_proposed_drafts) == (cut, 5)
+    rest = assembler.append(req, [(t, None) for t in ids[cut + 1:]], 0.0)
+    assert rest.delta_text_runs == [(rest.delta_text, False)] and rest.delta_text.endswith("sat")
 
 
 def test_the_page_at_root_is_self_contained_and_its_stats_route_counts_drafts(server: LiveServer) -> None:

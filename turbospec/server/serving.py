@@ -258,12 +258,14 @@ class OpenAIServing:
                 n = len(out.delta_token_ids)
                 logprobs = completion_logprobs(out.delta_token_ids, c.logprobs[len(c.logprobs) - n:],
                                                self.tokenizer.token_text, st.text_len)
+            origins = _text_origins(out)
+            if not st.started and job.echo:
+                origins.insert(0, _origin(job.echo, "prompt"))
             st.started, st.text_len, st.tokens = True, st.text_len + len(text), len(c.token_ids)
-            if text or out.finished or logprobs:
+            if text or out.finished or out.delta_token_ids:  # (logprobs come with tokens)
                 yield chunk([{"index": job.index, "text": text, "logprobs": logprobs,
                               "finish_reason": c.finish_reason if out.finished else None,
-                              "stop_reason": c.stop_reason if out.finished else None,
-                              "accepted_draft_tokens": out.delta_accepted_drafts}],
+                              "stop_reason": c.stop_reason if out.finished else None, **_step_fields(out, origins)}],
                             _acceptance_meta([out]) if out.finished else None)
         if req.include_usage:
             yield chunk([], {"usage": self._stream_usage(run, states)})
@@ -329,22 +331,25 @@ class OpenAIServing:
                                          self.tokenizer.token_text, req.top_logprobs or 0)
             st.tokens = len(c.token_ids)
             delta: dict[str, Any] = {"content": out.delta_text} if out.delta_text else {}
+            origins = _text_origins(out)
             finish_reason = c.finish_reason
             if job.index in calls:  # tool calls: content up to the first call, the calls once complete
                 stream = calls[job.index]
-                text = stream.feed(out.delta_text)
-                delta = {"content": text} if text else {}
+                text, found = stream.feed(out.delta_text), []
                 if out.finished:
                     rest, found = stream.finish()
-                    delta = {"content": text + rest} if text + rest else {}
-                    if found:
-                        delta["tool_calls"] = [call.as_openai(i) for i, call in enumerate(found)]
-                        finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-            if delta or out.finished or logprobs:
+                    text += rest
+                delta = {"content": text} if text else {}
+                if found:
+                    delta["tool_calls"] = [call.as_openai(i) for i, call in enumerate(found)]
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+                if text != out.delta_text:  # (held or released text: its origins are no longer this step's)
+                    origins = [_origin(text, "target")] if text else []
+            if delta or out.finished or logprobs or out.delta_token_ids:
                 yield chunk([{"index": job.index, "delta": delta,
                               "logprobs": logprobs, "finish_reason": finish_reason if out.finished else None,
                               "stop_reason": c.stop_reason if out.finished else None,
-                              "accepted_draft_tokens": out.delta_accepted_drafts}],
+                              **_step_fields(out, origins)}],
                             _acceptance_meta([out]) if out.finished else None)
         if req.include_usage:
             yield chunk([], {"usage": self._stream_usage(run, states)})
@@ -393,6 +398,23 @@ class OpenAIServing:
     @staticmethod
     def _stream_usage(run: _Run, states: dict[int, _ChoiceState]) -> dict[str, int]:
         return usage(_prompt_tokens(run), sum(s.tokens for s in states.values()))
+
+
+def _step_fields(out: RequestOutput, origins: list[dict[str, str]]) -> dict[str, Any]:
+    """Extension fields on a streamed choice, which OpenAI clients ignore. Every engine step that produced tokens
+    sends a chunk (its text may be empty while held back), so these count per step: the drafts it verified, those
+    accepted (the first of its tokens), and its text in runs by origin ("draft": accepted drafts, "target": the
+    target's own token; "prompt": a completion's echo), which concatenate to the chunk's text."""
+    return {"accepted_draft_tokens": out.delta_accepted_drafts, "proposed_draft_tokens": out.delta_proposed_drafts,
+            "text_origins": origins}
+
+
+def _text_origins(out: RequestOutput) -> list[dict[str, str]]:
+    return [_origin(text, "draft" if drafted else "target") for text, drafted in out.delta_text_runs]
+
+
+def _origin(text: str, origin: str) -> dict[str, str]:
+    return {"text": text, "origin": origin}
 
 
 def _acceptance_meta(outs: list[RequestOutput]) -> dict[str, Any]:
