@@ -87,6 +87,7 @@ def test_a_dead_end_records_its_error_and_keeps_the_row_defined() -> None:
     ({"regex": "a(b"}, "unclosed group"),
     ({"json": {"type": "object", "properties": {"a": {"type": "strin"}}}}, "strin"),
     ({"grammar": "start: missing_rule"}, "missing_rule"),
+    ({"json": {"type": "array", "contains": {"type": "integer"}}}, "Unimplemented keys"),  # unsupported feature
 ])
 def test_invalid_asks_say_why(ask: dict, reason: str) -> None:
     with pytest.raises(GrammarError, match=reason):

@@ -80,6 +80,8 @@ def test_completions_and_structured_outputs_extension(small: LiveServer) -> None
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
      "response_format", "strin"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema is required"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "dependentSchemas": {"a": {"required": ["b"]}}}}}}, "response_format", "dependentSchemas"),
     ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", "unclosed group"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
     ({"structured_outputs": {"json_object": True}, "response_format": {"type": "json_object"}},

@@ -7,6 +7,7 @@ compute_ff_tokens (tokens the grammar forces)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import llguidance
@@ -41,6 +42,8 @@ class _ByteVocabulary:
 
 _lock = threading.Lock()
 _vocabularies: dict[tuple[int, int], llguidance.LLTokenizer] = {}
+COMPILED_KEPT = 256  # checked grammars remembered (oldest dropped first)
+_compiled: dict[str, str] = {}
 
 
 def vocabulary(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
@@ -80,7 +83,14 @@ def grammar_text(ask: StructuredOutputsParams) -> str:
 
 def compile_grammar(ask: StructuredOutputsParams, vocab: llguidance.LLTokenizer) -> str:
     """The checked grammar, or GrammarError with the compiler's reason (a bad schema, an unsupported JSON-schema
-    feature, a regex that does not compile, a grammar that does not parse)."""
+    feature, a regex that does not compile, a grammar that does not parse). Remembered per ask: a server checks
+    each request's ask before queueing it and the engine compiles it again at admission, and clients tend to send
+    the same few schemas."""
+    key = json.dumps([id(vocab), dataclasses.asdict(ask)], sort_keys=True)
+    with _lock:
+        known = _compiled.get(key)
+    if known is not None:
+        return known
     try:
         grammar = grammar_text(ask)
     except (ValueError, TypeError) as exc:
@@ -88,4 +98,8 @@ def compile_grammar(ask: StructuredOutputsParams, vocab: llguidance.LLTokenizer)
     error = llguidance.LLMatcher.validate_grammar(grammar, vocab)
     if error:
         raise GrammarError(f"invalid {ask.kind}: {error.strip()}")
+    with _lock:
+        _compiled[key] = grammar
+        while len(_compiled) > COMPILED_KEPT:
+            _compiled.pop(next(iter(_compiled)))
     return grammar
