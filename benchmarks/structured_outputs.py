@@ -82,7 +82,9 @@ def validity(model: str, threads: int, batch: int, max_tokens: int, count: int) 
                      "parsed": parsed, "valid": valid, "finished": sum(o.outputs[0].finish_reason == "stop" for o in outs),
                      "identical_to_off": sum(a == b for a, b in zip(tokens, reference)),
                      "tokens": sum(map(len, tokens)), "seconds": seconds, "tau": stats.tau(s),
-                     "grammar_cuts": s["num_grammar_cuts"], "forced_tokens": s["num_forced_tokens"]})
+                     "grammar_cuts": s["num_grammar_cuts"], "forced_tokens": s["num_forced_tokens"],
+                     "max_tokens": max_tokens, "cut_by_max_tokens": sorted({c.name for (c, _), o in zip(pairs, outs)
+                                                                            if o.outputs[0].finish_reason == "length"})})
         del llm
     return rows
 
@@ -145,10 +147,11 @@ def _sum(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = ["# Structured outputs", "", *header_lines(meta), "",
-             f"## Validity: {rows[0]['requests'] if rows else 0} JSON-schema requests, greedy, float32", ""]
-    lines += table(["model", "proposer", "parsed", "valid", "ended by the grammar", "identical to off", "tau",
-                    "drafts cut", "forced tokens"],
-                   [[r["model"], r["proposer"], r["parsed"], r["valid"], r["finished"], r["identical_to_off"],
+             "## Validity: JSON-schema requests, greedy, float32", ""]
+    lines += table(["model", "proposer", "requests", "max tokens", "parsed", "valid", "ended by the grammar",
+                    "identical to off", "tau", "drafts cut", "forced tokens"],
+                   [[r["model"], r["proposer"], r["requests"], r.get("max_tokens", 256), r["parsed"], r["valid"],
+                     r["finished"], r["identical_to_off"],
                      f"{r['tau']:.2f}" if r["tau"] else "-", r["grammar_cuts"], r["forced_tokens"]]
                     for r in rows if r["part"] == "validity"])
     lines += ["", "## Cost: tok/s with and without the schema, the grammar's share of wall time", ""]
@@ -171,19 +174,23 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="validity: requests per batch")
     ap.add_argument("--validity-requests", type=int, default=200, help="validity: the first N pairs")
     ap.add_argument("--requests", type=int, default=16, help="cost: requests per row")
-    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=256, help="cost: output cap")
+    ap.add_argument("--validity-max-tokens", type=int, default=1024,
+                    help="validity: output cap (the larger schemas' answers pass 256 tokens)")
     ap.add_argument("--skip", choices=["validity", "cost"], default=None)
-    ap.add_argument("--out", default=str(default_out("structured_outputs")))
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/structured_outputs/<part(s) run>")
     args = ap.parse_args()
-    if min(args.requests, args.batch, args.max_tokens, args.validity_requests) < 1:
-        ap.error("--requests, --batch, --validity-requests and --max-tokens must be >= 1")
+    if min(args.requests, args.batch, args.max_tokens, args.validity_requests, args.validity_max_tokens) < 1:
+        ap.error("--requests, --batch, --validity-requests and the max-tokens flags must be >= 1")
     rows: list[dict[str, Any]] = []
     if args.skip != "validity":
-        rows += validity(args.validity_model, args.threads, args.batch, args.max_tokens, args.validity_requests)
+        rows += validity(args.validity_model, args.threads, args.batch, args.validity_max_tokens,
+                         args.validity_requests)
     if args.skip != "cost":
         rows += cost(args.model, args.threads, args.requests, args.max_tokens)
     meta = benchmark_meta(args.threads, validity_model=args.validity_model, model=args.model)
-    save(args.out, meta, rows, markdown(meta, rows))
+    name = {"cost": "structured_outputs_validity", "validity": "structured_outputs_cost"}.get(args.skip or "")
+    save(args.out or default_out("structured_outputs", name), meta, rows, markdown(meta, rows))
 
 
 if __name__ == "__main__":
