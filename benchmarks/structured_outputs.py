@@ -56,10 +56,12 @@ def spec_for(spec: dict[str, Any] | None, model: str) -> dict[str, Any] | None:
     return None if spec is None else {k: (v.format(model=model) if isinstance(v, str) else v) for k, v in spec.items()}
 
 
-def validity(model: str, threads: int, batch: int, max_tokens: int, count: int) -> list[dict[str, Any]]:
+def validity(model: str, threads: int, batch: int, max_tokens: int, count: int,
+             proposers: list[str]) -> list[dict[str, Any]]:
     pairs = requests()[:count]
     rows, reference = [], None
-    for name, spec in VALIDITY_SPECS.items():
+    for name in proposers:  # (the first is the reference of "identical to")
+        spec = VALIDITY_SPECS[name]
         llm = LLM(model, dtype="float32", num_threads=threads, speculative_config=spec_for(spec, model), progress=False)
         outs, start = [], time.perf_counter()
         for i in tqdm(range(0, len(pairs), batch), desc=f"validity {name}", unit="batch"):
@@ -154,8 +156,12 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                      r["finished"], r["identical_to_off"],
                      f"{r['tau']:.2f}" if r["tau"] else "-", r["grammar_cuts"], r["forced_tokens"]]
                     for r in rows if r["part"] == "validity"])
-    lines += ["", "## Cost: tok/s with and without the schema, the grammar's share of wall time", ""]
+    lines += [f"\n{r['proposer']}: cut by the cap: {', '.join(r['cut_by_max_tokens'])}"
+              for r in rows if r["part"] == "validity" and r.get("cut_by_max_tokens")]
     cost_rows = [r for r in rows if r["part"] == "cost"]
+    if not cost_rows:
+        return "\n".join(lines) + "\n"
+    lines += ["", "## Cost: tok/s with and without the schema, the grammar's share of wall time", ""]
     lines += table(["model", "batch", "proposer", "tok/s free", "tok/s schema", "grammar share", "speed-up vs plain "
                     "constrained", "drafts cut", "forced tokens"],
                    [[r["model"], r["batch"], r["proposer"],
@@ -173,6 +179,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=16, help="validity: requests per batch")
     ap.add_argument("--validity-requests", type=int, default=200, help="validity: the first N pairs")
+    ap.add_argument("--validity-proposers", default=",".join(VALIDITY_SPECS),
+                    help="validity: comma-separated rows, the first the reference (default %(default)s)")
     ap.add_argument("--requests", type=int, default=16, help="cost: requests per row")
     ap.add_argument("--max-tokens", type=int, default=256, help="cost: output cap")
     ap.add_argument("--validity-max-tokens", type=int, default=1024,
@@ -182,10 +190,14 @@ def main() -> None:
     args = ap.parse_args()
     if min(args.requests, args.batch, args.max_tokens, args.validity_requests, args.validity_max_tokens) < 1:
         ap.error("--requests, --batch, --validity-requests and the max-tokens flags must be >= 1")
+    proposers = [p.strip() for p in args.validity_proposers.split(",")]
+    unknown = [p for p in proposers if p not in VALIDITY_SPECS]
+    if unknown:
+        ap.error(f"--validity-proposers: unknown {unknown}; known: {', '.join(VALIDITY_SPECS)}")
     rows: list[dict[str, Any]] = []
     if args.skip != "validity":
         rows += validity(args.validity_model, args.threads, args.batch, args.validity_max_tokens,
-                         args.validity_requests)
+                         args.validity_requests, proposers)
     if args.skip != "cost":
         rows += cost(args.model, args.threads, args.requests, args.max_tokens)
     meta = benchmark_meta(args.threads, validity_model=args.validity_model, model=args.model)
