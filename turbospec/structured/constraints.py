@@ -66,17 +66,17 @@ class Constraints:
 
     def mask(self, sched: SchedulerOutput, out: ModelOutput) -> None:
         """After the forward: each constrained row's disallowed tokens get -inf logits."""
-        start = time.perf_counter()
+        start, masked = time.perf_counter(), False
         for i, s in enumerate(sched.scheduled):
             req = s.request
             if req.grammar is None or out.row_start[i] < 0:
                 continue
-            n = out.num_rows[i]
+            masked, n = True, out.num_rows[i]
             allowed = req.grammar.allowed(_row_paths(req.draft, n))
             with torch.inference_mode():  # the logits are inference tensors
                 rows = out.logits[out.row_start[i]: out.row_start[i] + n]
                 rows.masked_fill_(~torch.from_numpy(allowed).to(rows.device), float("-inf"))
-        if any(s.request.grammar is not None for s in sched.scheduled):
+        if masked:
             self.stats.grammar_seconds += time.perf_counter() - start
 
     def extend(self, req: Request, tokens: list[int], max_model_len: int) -> list[int]:
@@ -110,7 +110,7 @@ def _row_paths(draft: Draft, rows: int) -> list[list[int]]:
     """The tokens each verification row follows: row 0 none, then each draft prefix (or tree node's path)."""
     if draft.tree is not None and rows > 1:
         tree = draft.tree
-        return [[]] + [GrammarState.path(node, tree.tokens, tree.parents) for node in range(rows - 1)]
+        return [[]] + [[tree.tokens[n] for n in tree.path(node)] for node in range(rows - 1)]
     return [draft.tokens[:j] for j in range(rows)]
 
 
@@ -125,7 +125,7 @@ def _pruned(draft: Draft, state: GrammarState) -> Draft:
                      None if draft.soft_probs is None else draft.soft_probs[:n],
                      None if draft.entropies is None else draft.entropies[:n])
     tree = draft.tree
-    ok = state.valid_nodes(tree.tokens, tree.parents)
+    ok = state.valid_nodes(tree)
     if all(ok):
         return draft
     keep = [i for i, good in enumerate(ok) if good]

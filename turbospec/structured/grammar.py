@@ -1,8 +1,7 @@
 """Compiling a request's structured-output ask into an llguidance grammar for the model's tokenizer.
 
-Why llguidance (docs/structured-outputs.md has the measurement): no dependencies (xgrammar pulls triton and
-apache-tvm-ffi), a mask in ~20 us a token on our vocabularies (a decode step is 10-100 ms here), and the three
-operations speculation needs: validate_tokens (how much of a draft the grammar allows), rollback, and
+Why llguidance (docs/structured-outputs.md): no dependencies (xgrammar pulls triton and apache-tvm-ffi), masks
+far cheaper than a decode step, and the three operations speculation needs: validate_tokens (how much of a draft the grammar allows), rollback, and
 compute_ff_tokens (tokens the grammar forces)."""
 
 from __future__ import annotations

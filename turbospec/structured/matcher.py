@@ -9,6 +9,8 @@ from collections.abc import Sequence
 import llguidance
 import numpy as np
 
+from ..verification.tree import TokenTree
+
 
 class GrammarState:
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_token_ids: Sequence[int],
@@ -24,14 +26,14 @@ class GrammarState:
         """How many leading tokens of a draft the grammar allows from here."""
         return self.matcher.validate_tokens(list(tokens)) if tokens else 0
 
-    def valid_nodes(self, tokens: Sequence[int], parents: Sequence[int]) -> list[bool]:
-        """For a tree (parents before children): whether each node's path from the root is allowed."""
+    def valid_nodes(self, tree: TokenTree) -> list[bool]:
+        """Whether each node's path from the root is allowed (parents come before children)."""
         ok: list[bool] = []
-        for i, parent in enumerate(parents):
+        for i, parent in enumerate(tree.parents):
             if parent >= 0 and not ok[parent]:
                 ok.append(False)
                 continue
-            path = self.path(i, tokens, parents)
+            path = [tree.tokens[n] for n in tree.path(i)]
             ok.append(self.valid_prefix(path) == len(path))
         return ok
 
@@ -67,11 +69,3 @@ class GrammarState:
             self.error = f"the grammar refused its own forced tokens: {self.matcher.get_error()}"
             return []
         return tokens
-
-    @staticmethod
-    def path(node: int, tokens: Sequence[int], parents: Sequence[int]) -> list[int]:
-        path: list[int] = []
-        while node >= 0:
-            path.append(tokens[node])
-            node = parents[node]
-        return path[::-1]
