@@ -6,6 +6,7 @@ leaves."""
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -64,6 +65,7 @@ class TerminalChat:
         self.params = params
         self.out = out
         self.history: list[dict[str, str]] = []
+        self.interrupted = False  # set by Ctrl-C (see _on_interrupt)
         self.last = AnswerStats()
 
     # --- commands ----------------------------------------------------------------------------------------
@@ -106,7 +108,10 @@ class TerminalChat:
             ids = self.llm.get_tokenizer().apply_chat_template(self.history, add_generation_prompt=True)
             engine.reset_spec_stats()
             rid = engine.add_request(ids, self.params)
+            self.interrupted = False
             while engine.has_unfinished_requests():
+                if self.interrupted:  # a Ctrl-C whose KeyboardInterrupt was swallowed (see _on_interrupt)
+                    raise KeyboardInterrupt
                 for out in engine.step():
                     if out.request_id == rid:
                         reply += out.delta_text
@@ -127,6 +132,12 @@ class TerminalChat:
         self.history.append({"role": "assistant", "content": reply})
         self.last = AnswerStats(tokens, time.perf_counter() - start, stopped, engine.spec_stats_dict())
 
+    def _on_interrupt(self, signum: int, frame: object) -> None:
+        """Ctrl-C: raise KeyboardInterrupt as Python does, and remember it. The exception can be lost (raised inside
+        a finaliser that runs during a step, where Python only prints it), so the answer loop also checks the flag."""
+        self.interrupted = True
+        raise KeyboardInterrupt
+
     def say(self, text: str) -> None:
         self.out.write(text + "\n")
         self.out.flush()
@@ -134,6 +145,7 @@ class TerminalChat:
     def run(self, read: Callable[[str], str] = input) -> int:
         if sys.stdin.isatty():
             importlib.import_module("readline")  # for its effect: line editing and history in input()
+        signal.signal(signal.SIGINT, self._on_interrupt)
         self.say(f"turbospec chat with {self.llm.config.model} ({self._speculation()}); /help for commands, "
                  "Ctrl-D to leave")
         while True:
