@@ -2,7 +2,8 @@
 (AVX-512), the AMX products for grouped int4 / int8 weights (`amx_grouped.cpp`, used where the CPU has AMX),
 fused bf16 RMSNorm / rotary operators (`fused_ops.cpp`, used by models/layers.py) and a bf16 matmul that reads
 the weights once for a few rows (`bf16_rows.cpp`: AVX2, or AVX512_BF16's `vdpbf16ps` where the CPU has it; used by
-layers.row_linear where it measures faster than torch's).
+layers.row_linear where it measures faster than torch's), and a whole decoder layer in one call for decode-sized steps
+on packed records (`decoder_layer.cpp`, used by models/fused_layers.py).
 
 The build needs a C++ compiler and ninja; it is cached in `turbospec/kernels/_build`, and `make setup`
 runs it once (`python -m turbospec.kernels`). When it cannot be built (no compiler, another OS) or
@@ -28,7 +29,7 @@ log = logging.getLogger("turbospec.kernels")
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("grouped_int8.cpp", "amx_grouped.cpp", "records_dpbf16.cpp", "short_attention.cpp",
-                        "fused_ops.cpp", "bf16_rows.cpp")]
+                        "fused_ops.cpp", "bf16_rows.cpp", "decoder_layer.cpp")]
 GROUP = 16
 _module: Any = None
 _failure: str | None = None

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionMetadata, paged_attention
+from .fused_layers import FusedLayers, LayerCall
 from .layers import RMSNorm, Rotary, RowLinear, row_linear
 from .model_config import ModelConfig
 from .packed import PackedWeight, packed_linear
@@ -95,6 +96,7 @@ class CausalLM(nn.Module):
         # layers whose outputs a forward keeps in `captured` ([T, len * H], in this order): EAGLE's features
         self.capture_layers: tuple[int, ...] = ()
         self.captured: torch.Tensor | None = None
+        self._fused: FusedLayers | None = None  # built at the first forward, when the packed weights are attached
 
     def _mark_reduction_groups(self, cfg: ModelConfig) -> None:
         """Attention's output and the MLP's down projection reduce over slices of whole KV-head groups, the
@@ -127,13 +129,22 @@ class CausalLM(nn.Module):
         if meta.compute_dtype is not None:
             x = x.to(meta.compute_dtype)
         kept = []
+        fused = self.fused_layers(x, positions, meta, kv_caches)
         for i in range(len(self.layers)) if layer_ids is None else layer_ids:
-            x = self.layers[i](x, positions, meta, kv_caches[i])
+            x = fused(i, x) if fused is not None else self.layers[i](x, positions, meta, kv_caches[i])
             if i in self.capture_layers:
                 kept.append(x)
         if layer_ids is None:
             self.captured = torch.cat(kept, dim=-1) if kept else None
         return self.norm(x)
+
+    def fused_layers(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                     kv_caches: list[KVCache]) -> LayerCall | None:
+        """This step's compiled layer calls (fused_layers.py), or None where the Python layers run it."""
+        if self._fused is None or not self._fused.current():  # (a model without one is refused at its first layer)
+            self._fused = FusedLayers.build(self, DecoderLayer)
+        return None if self._fused is None else self._fused.for_step(x, positions, meta, kv_caches,
+                                                                     self.layers[0].attn.rotary)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -153,6 +153,11 @@ class _AmxPart:
         return self._op(x, self.data)
 
     @property
+    def op_name(self) -> str:
+        """The product's operator ("turbospec::dpbf16_int4_mm", ...), "" where none runs here."""
+        return getattr(self._op, "_qualified_op_name", "")
+
+    @property
     def nbytes(self) -> int:
         return self.data.nbytes
 
