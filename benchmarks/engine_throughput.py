@@ -42,6 +42,9 @@ from turbospec import LLM, SamplingParams  # noqa: E402
 from turbospec.bench import chat_messages, load_prompts  # noqa: E402
 from turbospec.models.registry import gguf_path  # noqa: E402
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+from harness import measure_bandwidth  # noqa: E402
+
 MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
 DTYPES = ("bfloat16", "float32")
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -87,25 +90,7 @@ def metadata(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-# --- memory bandwidth -------------------------------------------------------------------------------------
-
-def measure_bandwidth(gib: float, trials: int = 5) -> dict[str, Any]:
-    """Read bandwidth: time ``t.sum()`` over a float32 tensor of `gib` GiB, best of `trials` (after a warm-up)."""
-    n = int(gib * 2**30) // 4
-    t = torch.ones(n, dtype=torch.float32)  # ones, not empty: touch every page before timing
-    t.sum()
-    times = []
-    for _ in range(trials):
-        start = time.perf_counter()
-        t.sum()
-        times.append(time.perf_counter() - start)
-    nbytes = t.numel() * t.element_size()
-    del t
-    gc.collect()
-    best = min(times)
-    return {"method": "float32 tensor.sum() read", "bytes": nbytes, "trials_s": times, "best_s": best,
-            "gb_per_s": nbytes / best / GB, "threads": torch.get_num_threads()}
-
+# --- bytes per step -------------------------------------------------------------------------------------
 
 def weight_bytes(model: torch.nn.Module) -> dict[str, Any]:
     """Bytes of weights read per decode step: every distinct parameter once (a tied embedding is the LM head

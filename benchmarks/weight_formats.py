@@ -40,13 +40,16 @@ from harness import benchmark_meta, default_out, hf_run_set, load_hf, run_sets, 
 
 DRAFT = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 SINGLE = ("hf-plain", "hf-prompt-lookup", "llama.cpp-plain", "llama.cpp-prompt-lookup", "turbospec-bf16",
-          "turbospec-int4", "turbospec-auto", "turbospec-auto-noamx", "turbospec-auto-nodpbf16", "turbospec-pld-k4", "turbospec-sps-k4",
+          "turbospec-int4", "turbospec-auto", "turbospec-auto-noamx", "turbospec-auto-nodpbf16", "turbospec-auto-nofused",
+          "turbospec-pld-k4", "turbospec-sps-k4",
           "turbospec-sps-k4-int4draft", "turbospec-sps-auto", "turbospec-adaptive", "turbospec-auto-q8act",
           "turbospec-pld-k4-q8act", "turbospec-adaptive-q8act")
 NO_AMX = "-noamx"  # rows run with TURBOSPEC_NO_AMX=1: torch's int4 and our AVX-512 int8 kernel, side by side
 # ... and with TURBOSPEC_NO_DPBF16=1 on CPUs without AMX: none of our AVX512-BF16 kernels (packed records, bf16 rows)
 NO_DPBF16 = "-nodpbf16"
-ROW_ENV = {NO_AMX: "TURBOSPEC_NO_AMX", NO_DPBF16: "TURBOSPEC_NO_DPBF16"}
+# ... and with TURBOSPEC_NO_FUSED_LAYERS=1: every decoder layer run from Python (models/fused_layers.py)
+NO_FUSED = "-nofused"
+ROW_ENV = {NO_AMX: "TURBOSPEC_NO_AMX", NO_DPBF16: "TURBOSPEC_NO_DPBF16", NO_FUSED: "TURBOSPEC_NO_FUSED_LAYERS"}
 CONCURRENT = ("llama.cpp-16", "turbospec-auto-16", "turbospec-adaptive-16")
 
 
@@ -63,7 +66,7 @@ def turbospec_options(row: str, model: str) -> tuple[str, dict[str, Any] | None]
         return "bf16", None
     if row == "turbospec-int4":
         return "int4", None
-    if row in ("turbospec-auto", "turbospec-auto-16", "turbospec-auto" + NO_AMX, "turbospec-auto" + NO_DPBF16):
+    if row in ("turbospec-auto", "turbospec-auto-16", *(f"turbospec-auto{end}" for end in ROW_ENV)):
         return "auto", None
     if row == "turbospec-pld-k4":
         return "auto", {"method": "ngram", "num_speculative_tokens": 4}
@@ -116,27 +119,70 @@ def run_turbospec(job: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def profile_decode(llm: Any, ids: list[int], steps: int = 16) -> list[dict[str, Any]]:
-    """Self CPU time by operator over `steps` plain decode steps: where a token's time goes."""
+def profile_decode(llm: Any, ids: list[int], steps: int = 16) -> dict[str, Any]:
+    """Where a plain decode step's time goes: self CPU time by operator over `steps` steps (torch profiler), split
+    into the weight products, the other operators, and Python and dispatch between operators (the profiled wall
+    time less every operator's self time); the weight bytes a step reads, as GB/s of the unprofiled step time and
+    of the products' time, beside the machine's streaming read bandwidth."""
     from torch.profiler import ProfilerActivity, profile
 
+    from harness import measure_bandwidth
     from turbospec import SamplingParams
 
     engine = llm.engine
-    rid = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+    rid = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=2 * steps + 8, ignore_eos=True))
     while engine.requests[rid].is_prefilling or engine.requests[rid].num_computed_tokens == 0:
         engine.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    step_ms = (time.perf_counter() - start) * 1e3 / steps
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
-        wall = time.perf_counter() - start
+        profiled_ms = (time.perf_counter() - start) * 1e3 / steps
     engine.abort_request(rid)
-    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
-    out = [{"op": e.key, "ms_per_step": e.self_cpu_time_total / 1e3 / steps, "calls_per_step": e.count / steps}
-           for e in rows]
-    out.append({"op": "(wall time per step)", "ms_per_step": wall * 1e3 / steps, "calls_per_step": 1})
-    return out
+    events = prof.key_averages()
+    ops_ms = sum(e.self_cpu_time_total for e in events) / 1e3 / steps
+    products_ms = sum(e.self_cpu_time_total for e in events if _is_product(e.key)) / 1e3 / steps
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    nbytes = decode_bytes(engine.loaded.model)
+    bandwidth = measure_bandwidth(1.0)["gb_per_s"]
+    return {"step_ms": step_ms, "profiled_ms": profiled_ms, "products_ms": products_ms,
+            "other_ops_ms": ops_ms - products_ms, "python_ms": profiled_ms - ops_ms,
+            "python_share": (profiled_ms - ops_ms) / profiled_ms, "bytes_per_step": nbytes,
+            "step_gb_s": nbytes / step_ms / 1e6, "products_gb_s": nbytes / products_ms / 1e6,
+            "stream_gb_s": bandwidth,
+            "operators": [{"op": e.key, "ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+                           "calls_per_step": e.count / steps} for e in top]}
+
+
+def _is_product(op: str) -> bool:
+    """A weight product: our packed / bf16-rows kernels, torch's int4 and dense matmuls."""
+    return op.endswith("_mm") or op in ("aten::mm", "aten::addmm", "aten::_weight_int4pack_mm_for_cpu")
+
+
+def decode_bytes(net: Any) -> int:
+    """Weight bytes one decode step reads: each linear's packed form where one row runs packed, else its dense
+    weight; the LM head likewise (the tied embedding when there is no head of its own)."""
+    import torch
+
+    total = 0
+    for module in net.modules():
+        if module is net.lm_head:  # counted below, in the form it runs
+            continue
+        packed = getattr(module, "packed", None)
+        weight = getattr(module, "weight", None)
+        if packed is not None and (weight is None or packed.runs_packed(1)):
+            total += packed.nbytes
+        elif isinstance(module, torch.nn.Linear) and weight is not None:
+            total += weight.numel() * weight.element_size()
+    head = net.lm_head_packed
+    if head is not None and head.runs_packed(1):
+        return total + head.nbytes
+    dense_head = net.lm_head_weight
+    return total + dense_head.numel() * dense_head.element_size()
 
 
 def run_hf(job: dict[str, Any]) -> dict[str, Any]:
@@ -240,8 +286,14 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     prof = next((r["profile"] for r in rows if r.get("profile")), None)
     if prof:
         lines += ["", "Where a plain decode step goes (turbospec-auto, torch profiler, self CPU time):", "",
+                  f"- step {prof['step_ms']:.1f} ms ({prof['profiled_ms']:.1f} ms profiled): weight products "
+                  f"{prof['products_ms']:.1f} ms, other operators {prof['other_ops_ms']:.1f} ms, Python and dispatch "
+                  f"between operators {prof['python_ms']:.1f} ms ({100 * prof['python_share']:.0f}% of the profiled step)",
+                  f"- weights read per step {prof['bytes_per_step'] / 1e6:.0f} MB: {prof['step_gb_s']:.1f} GB/s over the "
+                  f"step, {prof['products_gb_s']:.1f} GB/s over the products; streaming read bandwidth "
+                  f"{prof['stream_gb_s']:.1f} GB/s (step: {100 * prof['step_gb_s'] / prof['stream_gb_s']:.0f}% of it)", "",
                   "| operator | ms per step | calls per step |", "|---|---|---|"]
-        lines += [f"| {p['op']} | {p['ms_per_step']:.2f} | {p['calls_per_step']:.0f} |" for p in prof]
+        lines += [f"| {p['op']} | {p['ms_per_step']:.2f} | {p['calls_per_step']:.0f} |" for p in prof["operators"]]
     return "\n".join(lines) + "\n"
 
 

@@ -11,6 +11,7 @@ Scripts import it as `harness` (benchmarks/ is the script's directory, as for `f
 """
 
 from . import stats
+from .bandwidth import measure_bandwidth
 from .hf import hf_generate, hf_run_set, load_hf
 from .machines import CLASSES, machine_class
 from .output import RESULTS, Partial, default_out, save, table
@@ -18,5 +19,5 @@ from .provenance import benchmark_meta, header_lines
 from .turns import alternating, prefill_seconds, run_sets, set_result, warm_up
 
 __all__ = ["CLASSES", "RESULTS", "Partial", "alternating", "benchmark_meta", "default_out", "header_lines",
-           "hf_generate", "hf_run_set", "load_hf", "machine_class", "prefill_seconds", "run_sets", "save",
+           "hf_generate", "hf_run_set", "load_hf", "machine_class", "measure_bandwidth", "prefill_seconds", "run_sets", "save",
            "set_result", "stats", "table", "warm_up"]
