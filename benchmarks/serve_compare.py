@@ -5,7 +5,18 @@ run filled, and one unrelated warm-up request before measuring. Targets:
 - turbospec, n-gram speculation chosen by the goodput controller (what `make run` starts);
 - turbospec with speculation turned off per request (`"speculation": false`), the same server otherwise;
 - llama.cpp through llama-cpp-python's OpenAI server, when `--llamacpp-python` points at a Python that has it
-  (REFERENCE.md section 7 says how to build it here), running the same GGUF file.
+  (REFERENCE.md section 7 says how to build it here), running the same GGUF file. It serves one request at a time;
+- llama.cpp's own `llama-server` with `--parallel N` slots and continuous batching, when `--llama-server` points at
+  one: the peer a user serving concurrent requests would pick. Build it from the llama-cpp-python sdist's vendored
+  sources (no download beyond PyPI):
+
+    pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36 && tar xzf llama_cpp_python-0.3.36.tar.gz
+    cmake -S llama_cpp_python-0.3.36/vendor/llama.cpp -B /tmp/llama-server-build -DGGML_NATIVE=ON \
+        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release
+    cmake --build /tmp/llama-server-build --target llama-server -j 2
+
+With `--concurrency 1,4,16` the points are closed loops of that many requests in flight (`bench serve
+--request-rate inf --max-concurrency C`) instead of Poisson rates.
 
     python benchmarks/serve_compare.py --rates 0.5,1,2 --num-prompts 40 --max-tokens 128 \
         --llamacpp-python /tmp/llamacpp-venv/bin/python --output benchmarks/results/serve_compare/serve_compare
@@ -59,6 +70,14 @@ def targets(args: argparse.Namespace, port: int) -> list[Target]:
             "--n_threads", str(args.threads), "--n_ctx", "2048",
             # by default a new request interrupts the running one, which then returns a truncated answer
             "--interrupt_requests", "False"], cwd="/tmp"))
+    if args.llama_server:
+        from turbospec.models import registry
+
+        slots = args.parallel
+        out.append(Target(f"llama.cpp (llama-server --parallel {slots})", [
+            args.llama_server, "--model", str(registry.gguf_path(args.model)), "--host", "127.0.0.1",
+            "--port", str(port), "--threads", str(args.threads), "--parallel", str(slots),
+            "--ctx-size", str(2048 * slots)], cwd="/tmp"))  # the context is split between the slots: 2,048 each
     return out
 
 
@@ -99,14 +118,20 @@ def _measure(args: argparse.Namespace, target: Target, rate: str, prefix: Path, 
     try:
         wait_ready(url, proc)
         warm_up(url)
+        load = (["--request-rate", "inf", "--max-concurrency", rate] if args.concurrency
+                else ["--request-rate", rate])
         bench = [TURBOSPEC, "bench", "serve", "--base-url", url, "--endpoint", "chat", "--dataset", args.dataset,
                  "--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens), "--temperature", "0",
-                 "--request-rate", rate, "--seed", str(args.seed), "--label", target.name,
+                 *load, "--seed", str(args.seed), "--label", target.name,
                  "--output", str(prefix), "--goodput", *args.goodput.split()]
         if target.extra_body:
             bench += ["--extra-body", json.dumps(target.extra_body)]
         subprocess.run(bench, check=False)
-        return json.loads(Path(f"{prefix}.json").read_text())
+        result = json.loads(Path(f"{prefix}.json").read_text())
+        if args.concurrency:
+            for r in result["rates"]:
+                r["max_concurrency"] = int(rate)
+        return result
     finally:
         proc.terminate()
         try:
@@ -115,8 +140,14 @@ def _measure(args: argparse.Namespace, target: Target, rate: str, prefix: Path, 
             proc.kill()
 
 
+def load_point(r: dict[str, Any]) -> Any:
+    """The x of a point: its concurrency in a closed-loop run, else its request rate."""
+    return r.get("max_concurrency", r["request_rate"])
+
+
 def table(runs: list[dict[str, Any]]) -> list[str]:
-    lines = [("| server | rate (req/s) | completed | failed | out tok/s | TTFT mean (ms) | TTFT p99 | "
+    closed = any("max_concurrency" in r for run in runs for r in run["rates"])
+    lines = [(f"| server | {'in flight' if closed else 'rate (req/s)'} | completed | failed | out tok/s | TTFT mean (ms) | TTFT p99 | "
               "TPOT mean (ms) | E2EL mean (ms) | E2EL p99 | goodput (req/s) | acceptance |"),
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for run in runs:
@@ -124,7 +155,7 @@ def table(runs: list[dict[str, Any]]) -> list[str]:
             spec = (r.get("speculation") or {}).get("turbospec") or {}
             acc = f"{spec['acceptance_rate']:.2f}" if spec.get("acceptance_rate") is not None else "-"
             lines.append(
-                f"| {run['label']} | {r['request_rate']} | {r['completed']} | {r['failed']} | "
+                f"| {run['label']} | {load_point(r)} | {r['completed']} | {r['failed']} | "
                 f"{r['output_throughput']:.1f} | {r['ttft_ms']['mean']:.0f} | {r['ttft_ms']['p99']:.0f} | "
                 f"{r['tpot_ms']['mean']:.1f} | {r['e2el_ms']['mean']:.0f} | {r['e2el_ms']['p99']:.0f} | "
                 f"{r['request_goodput']:.2f} | {acc} |")
@@ -142,13 +173,14 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     for run in runs:
         by_target.setdefault(run["label"], []).extend(run["rates"])
     for i, (label, rows) in enumerate(by_target.items()):
-        rates, color = [r["request_rate"] for r in rows], f"C{i}"  # one colour per server in every panel
+        rates, color = [load_point(r) for r in rows], f"C{i}"  # one colour per server in every panel
         axes[0].plot(rates, [r["e2el_ms"]["mean"] / 1000 for r in rows], "o-", color=color, label=f"{label} mean")
         axes[0].plot(rates, [r["e2el_ms"]["p99"] / 1000 for r in rows], "x--", color=color, label=f"{label} p99")
         axes[1].plot(rates, [r["ttft_ms"]["mean"] / 1000 for r in rows], "o-", color=color, label=label)
         axes[2].plot(rates, [r["output_throughput"] for r in rows], "o-", color=color, label=label)
     for ax, title in zip(axes, ("end-to-end latency (s)", "mean time to first token (s)", "output tokens/s")):
-        ax.set_xlabel("request rate (req/s)")
+        ax.set_xlabel("requests in flight" if any("max_concurrency" in r for run in runs for r in run["rates"])
+                      else "request rate (req/s)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0].set_yscale("log")
@@ -170,11 +202,19 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goodput", default="ttft:2000 tpot:100", help="SLOs passed to bench serve")
     p.add_argument("--llamacpp-python", default=None, help="a Python with llama-cpp-python[server] installed")
+    p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (built as the docstring says)")
+    p.add_argument("--parallel", type=int, default=16, help="llama-server's slots (default %(default)s)")
+    p.add_argument("--concurrency", default=None,
+                   help="closed-loop points instead of rates: requests in flight, e.g. 1,4,16")
     p.add_argument("--output", default="benchmarks/results/serve_compare/serve_compare")
     p.add_argument("--only", default=None, help="comma-separated target slugs to (re)run, e.g. "
                                                 "llama_cpp_llama_cpp_python_server; the summary uses every run on disk")
     p.add_argument("--summarize", action="store_true", help="run nothing: rebuild the summary from the runs on disk")
     args = p.parse_args()
+    if args.concurrency:
+        if not all(c.isdigit() and int(c) > 0 for c in args.concurrency.split(",")):
+            p.error(f"--concurrency takes positive integers separated by commas, got {args.concurrency!r}")
+        args.rates = args.concurrency  # the points of the run
     out = Path(args.output)
     work = out.parent / (out.name + "_runs")
     work.mkdir(parents=True, exist_ok=True)
@@ -204,7 +244,8 @@ def main() -> int:
     commands = [*previous.get("commands", []), *([] if args.summarize else [command])]
     summary = {"commands": commands, "machine": machine_info(args.threads), "config": vars(args), "runs": runs}
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
-    md = [f"# Serving benchmark: {args.model}, {args.dataset} prompts, Poisson arrivals", "",
+    arrivals = "closed loops of 1..N requests in flight" if args.concurrency else "Poisson arrivals"
+    md = [f"# Serving benchmark: {args.model}, {args.dataset} prompts, {arrivals}", "",
           *[f"`{c}`  " for c in commands],
           (f"{summary['machine']['cpu']}, {args.threads} threads, {summary['machine']['date']}, "
            f"commit {summary['machine']['commit']}"), "", *table(runs), ""]

@@ -39,7 +39,8 @@ sys.path.insert(0, str(ROOT))
 from harness import benchmark_meta, default_out, hf_run_set, load_hf, run_sets, save, stats, warm_up  # noqa: E402
 
 DRAFT = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
-SINGLE = ("hf-plain", "hf-prompt-lookup", "llama.cpp-plain", "llama.cpp-prompt-lookup", "turbospec-bf16",
+SINGLE = ("hf-plain", "hf-prompt-lookup", "llama.cpp-plain", "llama.cpp-plain-avx2", "llama.cpp-prompt-lookup",
+          "turbospec-bf16", "turbospec-auto-avx2", "turbospec-pld-k4-avx2", "turbospec-adaptive-avx2",
           "turbospec-int4", "turbospec-auto", "turbospec-auto-noamx", "turbospec-auto-nodpbf16", "turbospec-auto-nofused",
           "turbospec-pld-k4", "turbospec-sps-k4",
           "turbospec-sps-k4-int4draft", "turbospec-sps-auto", "turbospec-adaptive", "turbospec-auto-q8act",
@@ -49,7 +50,11 @@ NO_AMX = "-noamx"  # rows run with TURBOSPEC_NO_AMX=1: torch's int4 and our AVX-
 NO_DPBF16 = "-nodpbf16"
 # ... and with TURBOSPEC_NO_FUSED_LAYERS=1: every decoder layer run from Python (models/fused_layers.py)
 NO_FUSED = "-nofused"
-ROW_ENV = {NO_AMX: "TURBOSPEC_NO_AMX", NO_DPBF16: "TURBOSPEC_NO_DPBF16", NO_FUSED: "TURBOSPEC_NO_FUSED_LAYERS"}
+# ... and with TURBOSPEC_CPU_PATH=avx2: what a CPU without AVX-512 runs (turbospec/cpu_path.py); llama.cpp's
+# -avx2 row runs a llama-cpp-python built for AVX2 only (--llamacpp-avx2-python), and these rows are compared with it
+AVX2 = "-avx2"
+ROW_ENV = {NO_AMX: ("TURBOSPEC_NO_AMX", "1"), NO_DPBF16: ("TURBOSPEC_NO_DPBF16", "1"),
+           NO_FUSED: ("TURBOSPEC_NO_FUSED_LAYERS", "1"), AVX2: ("TURBOSPEC_CPU_PATH", "avx2")}
 CONCURRENT = ("llama.cpp-16", "turbospec-auto-16", "turbospec-adaptive-16")
 
 
@@ -58,6 +63,8 @@ Q8ACT = "-q8act"  # rows with the packed products' activations in int8 (weight f
 
 def turbospec_options(row: str, model: str) -> tuple[str, dict[str, Any] | None]:
     """(weight format, speculative config) of a turbospec row."""
+    if row.endswith(AVX2):
+        return turbospec_options(row.removesuffix(AVX2), model)
     if row.endswith(Q8ACT):
         fmt, spec = turbospec_options(row.removesuffix(Q8ACT), model)
         assert fmt == "auto", row
@@ -66,7 +73,7 @@ def turbospec_options(row: str, model: str) -> tuple[str, dict[str, Any] | None]
         return "bf16", None
     if row == "turbospec-int4":
         return "int4", None
-    if row in ("turbospec-auto", "turbospec-auto-16", *(f"turbospec-auto{end}" for end in ROW_ENV)):
+    if row in ("turbospec-auto", "turbospec-auto-16", *(f"turbospec-auto{end}" for end in ROW_ENV if end != AVX2)):
         return "auto", None
     if row == "turbospec-pld-k4":
         return "auto", {"method": "ngram", "num_speculative_tokens": 4}
@@ -202,7 +209,8 @@ def run_llama_cpp(job: dict[str, Any], python: str, tmp: Path) -> dict[str, Any]
     from turbospec.models.registry import pull
 
     gguf = str(pull(job["model"], progress=False))
-    mode = {"llama.cpp-plain": "plain", "llama.cpp-prompt-lookup": "prompt-lookup", "llama.cpp-16": "plain"}[job["row"]]
+    mode = {"llama.cpp-plain": "plain", "llama.cpp-plain-avx2": "plain", "llama.cpp-prompt-lookup": "prompt-lookup",
+            "llama.cpp-16": "plain"}[job["row"]]
     result: dict[str, Any] = {"sets": {}}
     peak = 0.0
     sets = {"concurrent-16": job["concurrent"]} if job["row"] == "llama.cpp-16" else job["sets"]
@@ -249,7 +257,7 @@ def tok_s(row: dict[str, Any], name: str) -> float | None:
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    ref = next((r for r in rows if r["row"] == "llama.cpp-plain"), None)
+    by_name = {r["row"]: r for r in rows}
     lines = [f"# Weight formats vs HF transformers and llama.cpp: {meta['model']}", "",
              f"- {meta['command']}", f"- {meta['machine']}, {meta['threads']} threads, torch {meta['torch']}, "
              f"{meta['date']}, commit {meta['commit']}",
@@ -257,12 +265,15 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
              "first turns + the same number of HumanEval tasks; 16 concurrent: 8 of each, at once", "",
              "prefill s: the same prompts run again for one token each, the prefill's share of the time (all prompts)",
              "",
-             "| row | MT-Bench tok/s | HumanEval tok/s | tau MT / HE | mean k MT / HE | vs llama.cpp plain MT / HE "
+             "| row | MT-Bench tok/s | HumanEval tok/s | tau MT / HE | mean k MT / HE | vs llama.cpp plain MT / HE (-avx2 "
+             "rows: vs llama.cpp-plain-avx2) "
              "| prefill s MT / HE | peak RSS MiB |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "concurrent-16" in r["sets"]:
             continue
         mt, he = tok_s(r, "mt-bench"), tok_s(r, "humaneval")
+        # each row against llama.cpp on the same instructions: the AVX2 rows against llama.cpp built for AVX2
+        ref = by_name.get("llama.cpp-plain-avx2" if r["row"].endswith(AVX2) else "llama.cpp-plain")
         tau = " / ".join(f"{t:.2f}" if (t := r["sets"][n].get("tau")) else "-" for n in ("mt-bench", "humaneval"))
         mean_k = " / ".join(f"{k:.1f}" if (k := r["sets"][n].get("mean_k")) is not None else "-"
                             for n in ("mt-bench", "humaneval"))
@@ -324,6 +335,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", default=",".join(SINGLE + CONCURRENT))
     p.add_argument("--llamacpp-python", default="/tmp/llamacpp-venv/bin/python")
+    p.add_argument("--llamacpp-avx2-python", default="/tmp/llamacpp-avx2-venv/bin/python",
+                   help="a llama-cpp-python built with GGML_NATIVE=OFF GGML_AVX2=ON GGML_AVX512=OFF (row llama.cpp-plain-avx2)")
     p.add_argument("--out", default=str(default_out("weight_formats")))
     p.add_argument("--job", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -346,10 +359,12 @@ def main() -> None:
                 continue
             row_job = {**job, "row": row, "profile": row == "turbospec-auto"}
             if row.startswith("llama.cpp"):
-                result = run_llama_cpp(row_job, args.llamacpp_python, tmp)
+                python = args.llamacpp_avx2_python if row.endswith(AVX2) else args.llamacpp_python
+                result = run_llama_cpp(row_job, python, tmp)
             else:
                 (tmp / "job.json").write_text(json.dumps(row_job))
-                env = next(({**os.environ, var: "1"} for end, var in ROW_ENV.items() if row.endswith(end)), None)
+                env = next(({**os.environ, var: value} for end, (var, value) in ROW_ENV.items() if row.endswith(end)),
+                           None)
                 subprocess.run([sys.executable, __file__, "--job", str(tmp / "job.json"), "--result",
                                 str(tmp / "result.json")], check=True, env=env)
                 result = json.loads((tmp / "result.json").read_text())

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from . import cpu_path
+
+cpu_path.apply()  # before anything imports torch: a forced CPU path works through environment switches
+
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampling_params import SamplingParams
 

@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import cpu_path
 from .config import DETERMINISTIC_MODES, WEIGHT_FORMATS, int_list
 from .models import registry
 
@@ -494,6 +495,10 @@ def _serve_ray(args: argparse.Namespace, engine_options: dict[str, Any]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)  # argparse itself exits 2 on malformed flags
+    forced = cpu_path.problem()  # a forced CPU path this CPU lacks: said before any model loads
+    if forced is not None and args.command not in ("models", "pull", "bench"):
+        print(f"turbospec: error: {forced}", file=sys.stderr)
+        return 2
     try:
         if args.command == "pull":
             print(registry.pull(args.name, verify=True))

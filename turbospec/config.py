@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from . import cpu_path
 from .control.acceptance_estimators import DEFAULT_ESTIMATOR, ESTIMATORS
 from .verification.policies import LOSSLESS_POLICIES, TYPICAL_DELTA, TYPICAL_EPSILON, check_policy
 
@@ -54,6 +55,9 @@ class EngineConfig:
     margin_threshold: float | None = None
 
     def __post_init__(self) -> None:
+        forced = cpu_path.problem()
+        if forced is not None:
+            raise ValueError(forced)
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"unknown dtype {self.dtype!r}: expected one of bfloat16, float32, float16")
         if self.weight_format not in WEIGHT_FORMATS:

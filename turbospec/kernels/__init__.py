@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .. import cpu_path
 from ..host import best_ms, hardware_name, measured_once, turbospec_home
 
 log = logging.getLogger("turbospec.kernels")
@@ -86,6 +87,9 @@ def load(verbose: bool = False) -> Any:
         build("turbospec_grouped_int8", [str(path) for path in SOURCES], extra_cflags=_flags(),
               extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=verbose, is_python_module=False)
         _module = torch.ops.turbospec
+        note = cpu_path.no_avx2_line()
+        if note is not None:
+            log.warning("%s", note)
     except Exception as exc:  # any build problem means: use the fallback
         _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         log.warning("compiled int8 kernel unavailable (%s); using the pure-torch fallback", _failure)

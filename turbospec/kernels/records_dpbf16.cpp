@@ -208,7 +208,7 @@ TS_DP_TARGET void group_sums(const uint16_t* x, int64_t rows, int64_t k, int64_t
 
 bool vnni_ready() {
   static const bool ready = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-                            __builtin_cpu_supports("f16c");
+                            __builtin_cpu_supports("f16c") && std::getenv("TURBOSPEC_NO_VNNI") == nullptr;
   return ready;
 }
 

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -206,8 +207,9 @@ TS_AVX512 void attend_kv_head(const T* q, int64_t q_stride, int64_t group, const
   }
 }
 
-bool has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+bool has_avx512() {  // TURBOSPEC_NO_AVX512 (TURBOSPEC_CPU_PATH=avx2): the portable loop, as a CPU without it runs
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          std::getenv("TURBOSPEC_NO_AVX512") == nullptr;
   return yes;
 }
 #else
