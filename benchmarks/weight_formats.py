@@ -44,7 +44,7 @@ SINGLE = ("hf-plain", "hf-prompt-lookup", "llama.cpp-plain", "llama.cpp-plain-av
           "turbospec-int4", "turbospec-auto", "turbospec-auto-noamx", "turbospec-auto-nodpbf16", "turbospec-auto-nofused",
           "turbospec-pld-k4", "turbospec-sps-k4",
           "turbospec-sps-k4-int4draft", "turbospec-sps-auto", "turbospec-adaptive", "turbospec-auto-q8act",
-          "turbospec-pld-k4-q8act", "turbospec-adaptive-q8act")
+          "turbospec-pld-k4-q8act", "turbospec-adaptive-q8act", "turbospec-eagle", "turbospec-eagle-q8act")
 NO_AMX = "-noamx"  # rows run with TURBOSPEC_NO_AMX=1: torch's int4 and our AVX-512 int8 kernel, side by side
 # ... and with TURBOSPEC_NO_DPBF16=1 on CPUs without AMX: none of our AVX512-BF16 kernels (packed records, bf16 rows)
 NO_DPBF16 = "-nodpbf16"
@@ -85,6 +85,8 @@ def turbospec_options(row: str, model: str) -> tuple[str, dict[str, Any] | None]
         return "auto", {"method": "draft", "model": DRAFT[model], "num_speculative_tokens": 4, "quantization": "int4"}
     if row == "turbospec-adaptive":  # prompt lookup, the controller choosing k (was the draft row again until stop 24)
         return "auto", {"method": "ngram", "num_speculative_tokens": "auto"}
+    if row == "turbospec-eagle":  # the committed EAGLE head, its tree, the controller choosing how much to verify
+        return "auto", {"method": "eagle"}
     if row == "turbospec-adaptive-16":
         return "auto", {"method": "ngram", "num_speculative_tokens": "auto"}
     raise ValueError(row)

@@ -4,11 +4,12 @@ TURBOSPEC_CPU_PATH, to measure on one machine what a CPU without AVX-512 runs.
     TURBOSPEC_CPU_PATH=auto     everything this CPU offers (AMX, AVX512-BF16 / VNNI, AVX2)
     TURBOSPEC_CPU_PATH=avx512   the AVX-512 kernels, no AMX (refused on a CPU without AVX-512 F/BW)
     TURBOSPEC_CPU_PATH=avx2     as on an AVX2 + FMA CPU: none of our AVX-512 / AMX kernels, and torch's own kernels
-                                dispatched for AVX2 (ATEN_CPU_CAPABILITY=avx2); only loops the compiler cloned
+                                dispatched for AVX2 (ATEN_CPU_CAPABILITY=avx2, oneDNN's DNNL_MAX_CPU_ISA=AVX2); only loops the compiler cloned
                                 per CPU (the portable attention loop, target_clones) still pick their AVX-512 clone
 
 It is read when turbospec is imported, before torch is: it works through the switches each kernel already reads
-(TURBOSPEC_NO_AMX, TURBOSPEC_NO_DPBF16, TURBOSPEC_NO_VNNI, TURBOSPEC_NO_AVX512) and torch's ATEN_CPU_CAPABILITY, so it must be in the
+(TURBOSPEC_NO_AMX, TURBOSPEC_NO_DPBF16, TURBOSPEC_NO_VNNI, TURBOSPEC_NO_AVX512), torch's ATEN_CPU_CAPABILITY and
+oneDNN's DNNL_MAX_CPU_ISA, so it must be in the
 environment when the process starts. A path this CPU lacks, or an unknown value, is an error (`problem()`), which
 the CLI reports with exit code 2 before any model loads.
 
@@ -27,7 +28,9 @@ NEEDS = {"avx512": ("avx512f", "avx512bw", "avx2", "fma"), "avx2": ("avx2", "fma
 # what each forced path switches off: the switches the kernels read
 SWITCHES = {"avx512": {"TURBOSPEC_NO_AMX": "1"},
             "avx2": {"TURBOSPEC_NO_AMX": "1", "TURBOSPEC_NO_DPBF16": "1", "TURBOSPEC_NO_VNNI": "1",
-                     "TURBOSPEC_NO_AVX512": "1", "ATEN_CPU_CAPABILITY": "avx2"}}
+                     "TURBOSPEC_NO_AVX512": "1", "ATEN_CPU_CAPABILITY": "avx2",
+                     # torch's bf16 / float matmuls go through oneDNN, which picks its own instructions
+                     "DNNL_MAX_CPU_ISA": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
 
 
 def requested() -> str:

@@ -64,14 +64,17 @@ c10::TypedOperatorHandle<Signature> ours(const char* name) {
 }
 
 // products: the four linears' part products, "name,name|name|...": qkv | o | gate_up | down.
-// weights: the parts' records in that order. groups: the step's attention groups, each the contiguous slice
-// [start, start + B * Q) of the rows, with its cache slots [B, L] and mask [B, Q, L].
+// weights: the parts' records in that order. groups: the step's attention groups, with their cache slots [B, L] and
+// mask [B, Q, L]; a group is either the contiguous slice [start, start + B * Q) of the rows (its gather and scatter
+// empty) or, when its sequences' query counts differ, padded: gather [B * Q] names the row each query reads (padding
+// repeats a sequence's last row) and scatter [2, n] maps the padded outputs kept (row 0) to the rows they fill (row 1).
 at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& mlp_norm, double eps,
                          const std::string& products, at::TensorList weights, const c10::optional<at::Tensor>& qkv_bias,
                          const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                         const at::Tensor& slot_mapping, at::IntArrayRef group_starts, at::TensorList group_slots,
-                         at::TensorList group_masks, double scale) {
+                         const at::Tensor& slot_mapping, at::IntArrayRef group_starts, at::TensorList group_gathers,
+                         at::TensorList group_scatters, at::TensorList group_slots, at::TensorList group_masks,
+                         double scale) {
   static const auto rms_norm = ours<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("turbospec::rms_norm");
   static const auto add_rms_norm =
       ours<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
@@ -101,8 +104,10 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& input_norm, cons
     used += n.size();
   }
   TORCH_CHECK(used == weights.size(), "decoder_layer: more weights than products");
-  TORCH_CHECK(group_starts.size() == group_slots.size() && group_slots.size() == group_masks.size(),
-              "decoder_layer: one start, slot table and mask per attention group");
+  const size_t num_groups = group_slots.size();
+  TORCH_CHECK(group_starts.size() == num_groups && group_gathers.size() == num_groups &&
+                  group_scatters.size() == num_groups && group_masks.size() == num_groups,
+              "decoder_layer: one start, gather, scatter, slot table and mask per attention group");
 
   const int64_t rows = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   // attention
@@ -115,11 +120,18 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& input_norm, cons
   kc.index_copy_(0, slot_mapping, k);
   vc.index_copy_(0, slot_mapping, v);
   at::Tensor attended = at::empty({rows, q_size}, q.options());
-  for (size_t g = 0; g < group_slots.size(); ++g) {
+  for (size_t g = 0; g < num_groups; ++g) {
     const int64_t batch = group_slots[g].size(0), queries = group_masks[g].size(1), start = group_starts[g];
-    const at::Tensor qg = q.narrow(0, start, batch * queries).view({batch, queries, num_heads, head_dim});
-    const at::Tensor og = attention.call(qg, k_cache, v_cache, group_slots[g], group_masks[g], scale);
-    attended.narrow(0, start, batch * queries).copy_(og.reshape({batch * queries, q_size}));
+    const bool padded = group_gathers[g].numel() > 0;
+    const at::Tensor qg = (padded ? q.index_select(0, group_gathers[g]) : q.narrow(0, start, batch * queries))
+                              .view({batch, queries, num_heads, head_dim});
+    const at::Tensor og =
+        attention.call(qg, k_cache, v_cache, group_slots[g], group_masks[g], scale).reshape({batch * queries, q_size});
+    if (padded) {
+      attended.index_copy_(0, group_scatters[g][1], og.index_select(0, group_scatters[g][0]));
+    } else {
+      attended.narrow(0, start, batch * queries).copy_(og);
+    }
   }
   const at::Tensor o = linear(attended, names[1], parts[1], c10::nullopt);
   // MLP
@@ -135,8 +147,8 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& input_norm, cons
 TORCH_LIBRARY_FRAGMENT(turbospec, m) {
   m.def("decoder_layer(Tensor x, Tensor input_norm, Tensor mlp_norm, float eps, str products, Tensor[] weights, "
         "Tensor? qkv_bias, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, int head_dim, Tensor(a!) k_cache, "
-        "Tensor(b!) v_cache, Tensor slot_mapping, int[] group_starts, Tensor[] group_slots, Tensor[] group_masks, "
-        "float scale) -> Tensor");
+        "Tensor(b!) v_cache, Tensor slot_mapping, int[] group_starts, Tensor[] group_gathers, Tensor[] group_scatters, "
+        "Tensor[] group_slots, Tensor[] group_masks, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(turbospec, CPU, m) { m.impl("decoder_layer", &decoder_layer); }

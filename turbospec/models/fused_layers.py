@@ -1,7 +1,8 @@
 """Decoder layers in one compiled call each (kernels/decoder_layer.cpp), for the steps where that call computes
 exactly what `llama.DecoderLayer` computes: bf16 activations, every linear of every layer on packed records
 (`packed._AmxPart`: the AMX, AVX512-BF16 or int8-activation products) for this many rows, and every attention
-group a contiguous slice of the batch that the fused short-query kernel attends.
+group attended by the fused short-query kernel (a contiguous slice of the batch, or sequences of different query
+counts padded to the longest, gathered and scattered as `attention.paged_attention` does).
 
 Why: a decode step of a 1.5B model runs ~70 small operators per layer around its products; from Python they cost
 15-20% of the step on a 2-core CPU, from C++ a fraction of that. Every other step (prefill chunks, dense
@@ -26,6 +27,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 LayerCall = Callable[[int, torch.Tensor], torch.Tensor]
 
 _DISABLED = os.environ.get("TURBOSPEC_NO_FUSED_LAYERS") == "1"
+_NONE = torch.empty(0, dtype=torch.long)  # a contiguous group's gather and scatter
 
 
 @dataclass
@@ -88,11 +90,19 @@ class FusedLayers:
             return None
         probe = x.new_empty(0, self.num_heads, self.head_dim)  # attention's choice depends on shapes and dtype only
         k_cache0 = kv_caches[0][0]
-        starts, slots, masks = [], [], []
+        starts, gathers, scatters, slots, masks = [], [], [], [], []
         for g in meta.groups:
-            if g.token_range is None or g.invariant or g.kernel(probe, k_cache0) != "fused":
+            if g.invariant or g.kernel(probe, k_cache0) != "fused":
                 return None
-            starts.append(g.token_range[0])
+            if g.token_range is not None:
+                starts.append(g.token_range[0])
+                gathers.append(_NONE)
+                scatters.append(_NONE)
+            else:  # sequences with different query counts, padded to the longest: the same gather and scatter
+                starts.append(-1)  # as paged_attention's
+                gathers.append(g.token_index.reshape(-1))
+                kept = g.query_valid.reshape(-1).nonzero().squeeze(1)
+                scatters.append(torch.stack((kept, g.token_index.reshape(-1)[kept])))
             slots.append(g.kv_slots)
             masks.append(g.mask[:, 0].contiguous())
         cos, sin = rotary.lookup(positions, x.dtype)
@@ -102,7 +112,8 @@ class FusedLayers:
             layer, (k_cache, v_cache) = self.layers[i], kv_caches[i]
             return ops.decoder_layer(h, layer.input_norm, layer.mlp_norm, self.eps, layer.products, layer.weights,
                                      layer.qkv_bias, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
-                                     k_cache, v_cache, meta.slot_mapping, starts, slots, masks, self.scale)
+                                     k_cache, v_cache, meta.slot_mapping, starts, gathers, scatters, slots, masks,
+                                     self.scale)
 
         return run
 
