@@ -64,4 +64,5 @@ print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "record
     got = _run(code, "avx2")
     assert got.returncode == 0, got.stderr[-2000:]
     seen = json.loads(got.stdout.strip().splitlines()[-1])
-    assert seen == {"capability": "AVX2", "records": "", "q8": False, "bf16_rows": "avx2", "tokens": 4}
+    # the packed records run the AVX2 kernel (int8 activations, records_avx2.cpp), not the AVX512-BF16 one
+    assert seen == {"capability": "AVX2", "records": "avx2", "q8": True, "bf16_rows": "avx2", "tokens": 4}

@@ -151,13 +151,23 @@ def _int8_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(groups * (1 / scale)).clamp(-127, 127) * scale).reshape(x.shape)
 
 
-@pytest.mark.skipif(not kernels.q8_records_available(), reason="this CPU has no AVX512-VNNI")
+def _int8_activation_kernels() -> list:
+    """The int8-activation kernels of the records this CPU runs, each a test case: AVX512-VNNI's (auto-q8act) and
+    AVX2's (the records path of CPUs without AVX-512); the others skip with the reason."""
+    module = kernels.load()
+    available = {"q8": module is not None and bool(module.q8_records_available()),
+                 "avx2": module is not None and bool(module.avx2_records_available())}
+    why = {"q8": "this CPU has no AVX512-VNNI", "avx2": "this CPU has no AVX2 + FMA + F16C"}
+    return [pytest.param(path, marks=pytest.mark.skipif(not ok, reason=why[path])) for path, ok in available.items()]
+
+
+@pytest.mark.parametrize("path", _int8_activation_kernels())
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q4_0", "Q4_1", "Q6_K", "Q5_0", "Q8_0"])
-def test_the_int8_activation_kernel_is_the_exact_product_of_quantised_activations(type_name):
+def test_the_int8_activation_kernel_is_the_exact_product_of_quantised_activations(type_name, path):
     n, k = 80, 1024
     groups = gguf_blocks.decode(random_blocks(type_name, n, k), type_name, n, k)
     part = _amx_part(groups)
-    op = getattr(torch.ops.turbospec, part.kind.replace("amx", "q8").replace("-", "_") + "_mm")
+    op = getattr(torch.ops.turbospec, part.kind.replace("amx", path).replace("-", "_") + "_mm")
     weights = part.dequantize()  # the records' values (K-quant scales in float16)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(2)).bfloat16()
     x[3, :32] = 0  # an all-zero group
@@ -372,6 +382,25 @@ def test_packed_logits_match_the_bf16_formats_in_bfloat16():
     assert diff <= 0.05 * logits["bf16"].abs().max().item()
 
 
+@pytest.mark.skipif(not (kernels.load() is not None and kernels.load().q8_records_available()
+                         and kernels.load().avx2_records_available()),
+                    reason="needs both AVX512-VNNI and AVX2 (the AVX2 kernel is compared with the VNNI one)")
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0"])
+def test_the_avx2_records_kernel_gives_the_vnni_kernels_bits(type_name):
+    """The AVX2 path computes what auto-q8act computes on an AVX-512 CPU, to the bit: the same int8 activations, exact
+    integer sums, the same float32 operations in the same order."""
+    n, k = 32, 8960  # a long row (a 1.5B model's down projection)
+    blocks = random_blocks(type_name, n, k, seed=3)
+    part = _amx_part(gguf_blocks.decode(blocks, type_name, n, k))
+    name = part.kind.removeprefix("amx-")
+    vnni, avx2 = (getattr(torch.ops.turbospec, f"{path}_{name}_mm") for path in ("q8", "avx2"))
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(4)).bfloat16()
+    x[:, ::7] *= 40  # groups whose largest value quantises to +-127 next to small ones
+    x[2, 64:96] = 0
+    for rows in (1, 4, 5, 9):
+        assert torch.equal(avx2(x[:rows], part.data), vnni(x[:rows], part.data)), rows
+
+
 @pytest.mark.skipif(not (kernels.q8_records_available() and kernels.records_path()),
                     reason="auto-q8act needs AVX512-VNNI and the record kernels")
 def test_int8_activations_are_a_named_lossy_format_close_to_auto():
@@ -393,7 +422,11 @@ def test_int8_activations_are_a_named_lossy_format_close_to_auto():
             hidden = layer.mlp(hidden)
         logits[fmt] = lm.model.compute_logits(lm.model.norm(hidden)).float()
     diff = (logits["auto-q8act"] - logits["auto"]).abs().max().item()
-    assert 0 < diff <= 0.05 * logits["auto"].abs().max().item()
+    assert report.int8_activations and "activations in int8" in report.line()
+    if kernels.records_lossy():  # the AVX2 records path: auto computes this way already, and says so
+        assert diff == 0 and auto.int8_activations
+    else:
+        assert 0 < diff <= 0.05 * logits["auto"].abs().max().item() and not auto.int8_activations
     with pytest.raises(WeightFormatError, match="auto-q8act needs dtype bfloat16"):
         load_model("smollm2-135m", "float32", weight_format="auto-q8act", progress=False)
 

@@ -42,12 +42,10 @@
 #include <unistd.h>
 #endif
 
+#include "records.h"
+
 namespace {
 
-enum Kind { kInt4 = 0, kInt6 = 1, kInt8 = 2 };
-constexpr int64_t kRecordBytes[3] = {320, 448, 576};
-constexpr int64_t kTileN = 16;  // outputs per block
-constexpr int64_t kTileK = 32;  // inputs per block
 constexpr int64_t kMaxRows = 16;
 
 #if TS_AMX

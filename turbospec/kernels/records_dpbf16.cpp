@@ -39,14 +39,12 @@
 #define TS_DP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c")))
 #endif
 
+#include "records.h"
+
 namespace {
 
-enum Kind { kInt4 = 0, kInt6 = 1, kInt8 = 2 };
-constexpr int64_t kRecordBytes[3] = {320, 448, 576};
 constexpr int kUnitRows[3] = {2, 4, 1};    // tile rows expanded together (one load of packed bytes)
 constexpr int kScaleGroups[3] = {1, 2, 2};  // per record: int4 one group of 32 inputs, the others two of 16
-constexpr int64_t kTileN = 16;              // outputs per record
-constexpr int64_t kTileK = 32;              // inputs per record
 constexpr int kPassRows = 8;                // activation rows whose partial sums are live at once
 constexpr int kPrefetchAhead = 6;           // records ahead in each stream
 
@@ -330,12 +328,6 @@ TS_VNNI_TARGET inline void record_pass_q8(const uint8_t* record, const int8_t* x
   }
 }
 
-struct Quantized {
-  const int8_t* xq;     // [rows, K]
-  const float* scale;   // [rows, K / 32]
-  const int32_t* qsum;  // [rows, K / 32, 2]: sums of each group's halves
-};
-
 template <int KIND, int R>
 TS_VNNI_TARGET void block_pass_q8(const Quantized& x, int64_t k, const uint8_t* w, int64_t nb, int64_t groups,
                                   uint16_t* y, int64_t n) {
@@ -350,8 +342,6 @@ TS_VNNI_TARGET void block_pass_q8(const Quantized& x, int64_t k, const uint8_t* 
   }
   UNROLL for (int i = 0; i < R; ++i) store_bf16(y + i * n + nb * kTileN, _mm512_load_ps(sums + 16 * i));
 }
-
-using PassQ8Fn = void (*)(const Quantized&, int64_t, const uint8_t*, int64_t, int64_t, uint16_t*, int64_t);
 
 constexpr int kPassRowsQ8 = 16;  // rows per pass of the int8-activation kernel (one int32 sum per row from 4 rows)
 
@@ -374,13 +364,8 @@ const char* const kNames[3] = {"dpbf16_int4_mm", "dpbf16_int6_mm", "dpbf16_int8_
 at::Tensor records_mm(const at::Tensor& x_in, const at::Tensor& w, int kind) {
   const char* name = kNames[kind];
   TORCH_CHECK(dp_ready(), name, ": this CPU (or its kernel) does not offer AVX512-BF16");
-  TORCH_CHECK(x_in.dim() == 2, name, ": x must be [M, K]");
-  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.size(2) == kRecordBytes[kind], name,
-              ": packed weight must be uint8 [N / 16, K / 32, ", kRecordBytes[kind], "]");
+  at::Tensor y = records_output(name, x_in, w, kind);
   const int64_t rows = x_in.size(0), k = x_in.size(1), blocks = w.size(0), groups = w.size(1), n = blocks * kTileN;
-  TORCH_CHECK(k == groups * kTileK, name, ": x has ", k, " inputs, the weight ", groups * kTileK);
-  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, name, ": activations must be bfloat16");
-  at::Tensor y = at::empty({rows, n}, x_in.options());
   if (rows == 0) return y;
 #if TS_DP
   const at::Tensor x = x_in.contiguous(), wc = w.contiguous();
@@ -407,39 +392,16 @@ at::Tensor records_mm(const at::Tensor& x_in, const at::Tensor& w, int kind) {
 
 const char* const kQ8Names[3] = {"q8_int4_mm", "q8_int6_mm", "q8_int8_mm"};
 
-at::Tensor records_q8_mm(const at::Tensor& x_in, const at::Tensor& w, int kind) {
+at::Tensor records_q8_mm(const at::Tensor& x, const at::Tensor& w, int kind) {
   const char* name = kQ8Names[kind];
 #if TS_DP
   TORCH_CHECK(vnni_ready(), name, ": this CPU does not offer AVX512-VNNI");
 #else
   TORCH_CHECK(false, name, ": this CPU does not offer AVX512-VNNI");
 #endif
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, name, ": x must be bfloat16 [M, K]");
-  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.size(2) == kRecordBytes[kind], name,
-              ": packed weight must be uint8 [N / 16, K / 32, ", kRecordBytes[kind], "]");
-  const int64_t rows = x_in.size(0), k = x_in.size(1), blocks = w.size(0), groups = w.size(1), n = blocks * kTileN;
-  TORCH_CHECK(k == groups * kTileK, name, ": x has ", k, " inputs, the weight ", groups * kTileK);
-  at::Tensor y = at::empty({rows, n}, x_in.options());
-  if (rows == 0) return y;
+  at::Tensor y = records_output(name, x, w, kind);
 #if TS_DP
-  const at::Tensor x = x_in.contiguous(), wc = w.contiguous();
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  std::vector<int8_t> xq(rows * k);
-  std::vector<float> scale(rows * groups);
-  std::vector<int32_t> qsum(rows * groups * 2);
-  quantize_rows(xp, rows, k, xq.data(), scale.data(), qsum.data());
-  const uint8_t* wp = wc.data_ptr<uint8_t>();
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t passes = (rows + kPassRowsQ8 - 1) / kPassRowsQ8;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1; ++nb)
-      for (int64_t p = 0, row0 = 0; p < passes; ++p) {
-        const int64_t count = (rows - row0) / (passes - p);
-        const Quantized part{xq.data() + row0 * k, scale.data() + row0 * groups, qsum.data() + row0 * groups * 2};
-        pick_pass_q8(kind, static_cast<int>(count))(part, k, wp, nb, groups, yp + row0 * n, n);
-        row0 += count;
-      }
-  });
+  run_q8_passes(x, w, kind, y, kPassRowsQ8, &quantize_rows, &pick_pass_q8);
 #endif
   return y;
 }

@@ -112,6 +112,8 @@ def cache_path(dtype: torch.dtype) -> Path:
     # "best": timings are the fastest of several calls (best_ms); files of medians are measured again.
     # The dense side is our bf16 kernel up to its measured rows, or torch's (TURBOSPEC_NO_BF16_ROWS=1): its own key.
     dense = f"|{kernels.bf16_rows_limit()}" if dtype == torch.bfloat16 else ""  # (other dtypes: keys as before)
-    key = f"{hardware_name('cpu')}|{torch.get_num_threads()}|{torch.__version__}|{dtype}|{kernel}|best{dense}"
+    # the records' kernel (AMX, AVX512-BF16, AVX2) is switched per process on one machine: its own key
+    records = f"|records-{kernels.records_path()}"
+    key = f"{hardware_name('cpu')}|{torch.get_num_threads()}|{torch.__version__}|{dtype}|{kernel}|best{dense}{records}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return turbospec_home() / "kernels" / f"crossover-{str(dtype).removeprefix('torch.')}-{digest}.json"

@@ -1,0 +1,67 @@
+// The tile-order records of amx_grouped.cpp (16 outputs x 32 inputs each), as every kernel that reads them sees
+// them, and the driver shared by the two kernels that quantise the activations to int8 (records_dpbf16.cpp's
+// AVX512-VNNI one, records_avx2.cpp): the same checks, the same quantised activations, the same split of the rows
+// into passes and of the output blocks between threads.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+enum Kind { kInt4 = 0, kInt6 = 1, kInt8 = 2 };
+constexpr int64_t kRecordBytes[3] = {320, 448, 576};
+constexpr int64_t kTileN = 16;  // outputs per record
+constexpr int64_t kTileK = 32;  // inputs per record
+
+// A call's activations quantised per row and group of 32 inputs (scale max|x| / 127, round to nearest even).
+struct Quantized {
+  const int8_t* xq;     // [rows, K]
+  const float* scale;   // [rows, K / 32]
+  const int32_t* qsum;  // [rows, K / 32, 2]: sums of each group's halves
+};
+
+using QuantizeFn = void (*)(const uint16_t* x, int64_t rows, int64_t k, int8_t* xq, float* scale, int32_t* qsum);
+// Output block nb over all K for the rows of one pass, written to y (bf16, row stride n).
+using PassQ8Fn = void (*)(const Quantized& x, int64_t k, const uint8_t* w, int64_t nb, int64_t groups, uint16_t* y,
+                          int64_t n);
+
+// The checks every record product makes of its operands; returns y [M, N] (bf16, uninitialised).
+inline at::Tensor records_output(const char* name, const at::Tensor& x, const at::Tensor& w, int kind) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, name, ": x must be bfloat16 [M, K]");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.size(2) == kRecordBytes[kind], name,
+              ": packed weight must be uint8 [N / 16, K / 32, ", kRecordBytes[kind], "]");
+  TORCH_CHECK(x.size(1) == w.size(1) * kTileK, name, ": x has ", x.size(1), " inputs, the weight ",
+              w.size(1) * kTileK);
+  return at::empty({x.size(0), w.size(0) * kTileN}, x.options());
+}
+
+// y = x @ W^T with x quantised by `quantize` and each pass of at most `pass_rows` rows (as even as possible) run by
+// `pick(kind, rows)`; a block's later passes read its records from cache.
+inline void run_q8_passes(const at::Tensor& x_in, const at::Tensor& w, int kind, at::Tensor& y, int pass_rows,
+                          QuantizeFn quantize, PassQ8Fn (*pick)(int, int)) {
+  const int64_t rows = x_in.size(0), k = x_in.size(1), blocks = w.size(0), groups = w.size(1), n = blocks * kTileN;
+  if (rows == 0) return;
+  const at::Tensor x = x_in.contiguous(), wc = w.contiguous();
+  std::vector<int8_t> xq(rows * k);
+  std::vector<float> scale(rows * groups);
+  std::vector<int32_t> qsum(rows * groups * 2);
+  quantize(reinterpret_cast<const uint16_t*>(x.data_ptr()), rows, k, xq.data(), scale.data(), qsum.data());
+  const uint8_t* wp = wc.data_ptr<uint8_t>();
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const int64_t passes = (rows + pass_rows - 1) / pass_rows;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb)
+      for (int64_t p = 0, row0 = 0; p < passes; ++p) {
+        const int64_t count = (rows - row0) / (passes - p);
+        const Quantized part{xq.data() + row0 * k, scale.data() + row0 * groups, qsum.data() + row0 * groups * 2};
+        pick(kind, static_cast<int>(count))(part, k, wp, nb, groups, yp + row0 * n, n);
+        row0 += count;
+      }
+  });
+}
+
+}  // namespace
