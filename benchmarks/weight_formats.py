@@ -40,7 +40,8 @@ from harness import benchmark_meta, default_out, hf_run_set, load_hf, run_sets, 
 
 DRAFT = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 SINGLE = ("hf-plain", "hf-prompt-lookup", "llama.cpp-plain", "llama.cpp-plain-avx2", "llama.cpp-prompt-lookup",
-          "turbospec-bf16", "turbospec-auto-avx2", "turbospec-pld-k4-avx2", "turbospec-adaptive-avx2", "turbospec-eagle-avx2",
+          "turbospec-bf16", "turbospec-auto-avx2", "turbospec-pld-k4-avx2", "turbospec-adaptive-avx2",
+          "turbospec-auto-q8act-avx2", "turbospec-pld-k4-q8act-avx2", "turbospec-adaptive-q8act-avx2",
           "turbospec-int4", "turbospec-auto", "turbospec-auto-noamx", "turbospec-auto-nodpbf16", "turbospec-auto-nofused",
           "turbospec-pld-k4", "turbospec-sps-k4",
           "turbospec-sps-k4-int4draft", "turbospec-sps-auto", "turbospec-adaptive", "turbospec-auto-q8act",

@@ -1,7 +1,7 @@
 """Our own compiled CPU kernels, built on first use with torch's extension builder: the grouped int8 matmul
 (AVX-512), the AMX products for grouped int4 / int8 weights (`amx_grouped.cpp`, used where the CPU has AMX), the
-same records' products with AVX512-BF16 (`records_dpbf16.cpp`) or, on CPUs with only AVX2, with int8 activations
-(`records_avx2.cpp`),
+same records' products with AVX512-BF16 (`records_dpbf16.cpp`) or, on CPUs with only AVX2, with float32 FMAs
+(`records_avx2.cpp`; with int8 activations for auto-q8act: `records_avx2_q8.cpp`),
 fused bf16 RMSNorm / rotary operators (`fused_ops.cpp`, used by models/layers.py) and a bf16 matmul that reads
 the weights once for a few rows (`bf16_rows.cpp`: AVX2, or AVX512_BF16's `vdpbf16ps` where the CPU has it; used by
 layers.row_linear where it measures faster than torch's), and a whole decoder layer in one call for decode-sized steps
@@ -32,7 +32,8 @@ log = logging.getLogger("turbospec.kernels")
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("grouped_int8.cpp", "amx_grouped.cpp", "records_dpbf16.cpp", "records_avx2.cpp",
-                        "short_attention.cpp", "fused_ops.cpp", "bf16_rows.cpp", "decoder_layer.cpp")]
+                        "records_avx2_q8.cpp", "short_attention.cpp", "fused_ops.cpp", "bf16_rows.cpp",
+                        "decoder_layer.cpp")]
 HEADERS = [Path(__file__).with_name("records.h")]  # included by the sources: part of the build's identity
 GROUP = 16
 _module: Any = None
@@ -134,17 +135,16 @@ def dpbf16_records_available() -> bool:
 
 
 def avx2_records_available() -> bool:
-    """Whether the tile-order records run on AVX2 + FMA with int8 activations (`records_avx2.cpp`): kernels built, a
-    CPU with them, and not switched off with TURBOSPEC_NO_AVX2_RECORDS=1."""
+    """Whether the tile-order records run on AVX2 + FMA + F16C (`records_avx2.cpp`, and `records_avx2_q8.cpp` for
+    auto-q8act): kernels built, a CPU with them, and not switched off with TURBOSPEC_NO_AVX2_RECORDS=1."""
     module = load()
     return module is not None and bool(module.avx2_records_available())
 
 
 def records_path() -> str:
     """Which kernel runs the tile-order records (the parts `models.packed` calls amx-int4 / -int6 / -int8): "amx",
-    "dpbf16" (AVX512-BF16 dot products, on CPUs without AMX), "avx2" (AVX2 with the activations in int8, as
-    llama.cpp computes on such CPUs: `records_lossy()`), or "" (none: torch's int4 and our int8 kernel hold the
-    packed weights instead)."""
+    "dpbf16" (AVX512-BF16 dot products, on CPUs without AMX), "avx2" (float32 FMAs, on CPUs with neither), or ""
+    (none: torch's int4 and our int8 kernel hold the packed weights instead)."""
     global _records_path
     if _records_path is None:
         _records_path = ("amx" if amx_available() else "dpbf16" if dpbf16_records_available()
@@ -152,18 +152,12 @@ def records_path() -> str:
     return _records_path
 
 
-def records_lossy() -> bool:
-    """Whether the records' kernel here quantises the activations to int8 (the AVX2 path): a lossy step of its own,
-    which the load log names."""
-    return records_path() == "avx2"
-
-
 _records_path: str | None = None
 
 
 def q8_records_available() -> bool:
     """Whether the records' int8-activation kernel (weight format auto-q8act) runs: kernels built, AVX512-VNNI, or
-    the AVX2 records path (whose kernel computes the same values)."""
+    the AVX2 records path (`records_avx2_q8.cpp`, the same values)."""
     module = load()
     return module is not None and (bool(module.q8_records_available()) or records_path() == "avx2")
 
@@ -174,8 +168,8 @@ def record_op(kind: str, int8_activations: bool = False) -> Any:
     `int8_activations`, the activations quantised to int8 and AVX512-VNNI products). Where no path runs, a stand-in
     that says so when called (a part's layout still works without them)."""
     path = records_path()
-    if int8_activations and path != "avx2":
-        path = "q8"
+    if int8_activations:
+        path = "avx2q8" if path == "avx2" else "q8"
     if not path:
         def unavailable(*_: Any) -> torch.Tensor:
             raise RuntimeError(f"{kind} parts need the compiled AMX or AVX512-BF16 kernels, which are unavailable "

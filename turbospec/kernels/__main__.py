@@ -11,7 +11,7 @@ built = load(verbose="-v" in sys.argv) is not None
 simd = "AVX-512" if "-mavx512f" in _flags() else "portable"
 records = {"amx": "; AMX kernels in use for packed weights",
            "dpbf16": "; no AMX here: our AVX512-BF16 kernels (records_dpbf16.cpp) in use for packed weights",
-           "avx2": "; neither AMX nor AVX512-BF16 here: our AVX2 kernels (records_avx2.cpp, activations in int8) "
+           "avx2": "; neither AMX nor AVX512-BF16 here: our AVX2 kernels (records_avx2.cpp) "
                    "in use for packed weights",
            "": f"; neither AMX nor AVX2 here: torch's int4 and our {simd} int8 kernel in use for packed weights"}
 amx = records[records_path()]

@@ -1,6 +1,6 @@
 // The tile-order records of amx_grouped.cpp (16 outputs x 32 inputs each), as every kernel that reads them sees
 // them, and the driver shared by the two kernels that quantise the activations to int8 (records_dpbf16.cpp's
-// AVX512-VNNI one, records_avx2.cpp): the same checks, the same quantised activations, the same split of the rows
+// AVX512-VNNI one, records_avx2_q8.cpp): the same checks, the same quantised activations, the same split of the rows
 // into passes and of the output blocks between threads.
 #pragma once
 
@@ -8,14 +8,53 @@
 #include <ATen/Parallel.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <vector>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#define TS_AVX2 1
+#include <immintrin.h>
+#define TS_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+#endif
+
 namespace {
+
+// Whether this CPU runs the AVX2 record kernels (records_avx2.cpp, records_avx2_q8.cpp); TURBOSPEC_NO_AVX2_RECORDS=1
+// says no, for side-by-side measurements.
+inline bool avx2_ready() {
+#if TS_AVX2
+  static const bool ready = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                            __builtin_cpu_supports("f16c") && std::getenv("TURBOSPEC_NO_AVX2_RECORDS") == nullptr;
+  return ready;
+#else
+  return false;
+#endif
+}
 
 enum Kind { kInt4 = 0, kInt6 = 1, kInt8 = 2 };
 constexpr int64_t kRecordBytes[3] = {320, 448, 576};
 constexpr int64_t kTileN = 16;  // outputs per record
 constexpr int64_t kTileK = 32;  // inputs per record
+
+#if TS_AVX2
+// Helpers of the AVX2 record kernels
+
+TS_AVX2_TARGET inline __m256i load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// 16 float16 values (a record's scales or offsets) -> two registers of 8 floats
+TS_AVX2_TARGET inline void halves(const uint8_t* p, __m256* lo, __m256* hi) {
+  *lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  *hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+}
+
+// 8 floats to bf16, rounded to nearest even (as records_dpbf16.cpp's store_bf16; no NaN here)
+TS_AVX2_TARGET inline __m128i to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+}
+#endif
 
 // A call's activations quantised per row and group of 32 inputs (scale max|x| / 127, round to nearest even).
 struct Quantized {

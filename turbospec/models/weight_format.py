@@ -7,9 +7,8 @@
 - `int8`: packed only, every linear in grouped int8: only files whose linears are all Q8_0 / Q5_0 / Q6_K.
 - `auto-q8act`: `auto`, with the packed products' activations quantised to int8 per row and group of 32 inputs
   (scale max|x| / 127) and multiplied by AVX512-VNNI integer dot products (`vpdpbusd`), as llama.cpp's dot products
-  do: lossy in the activations (the weights are the file's), cheaper arithmetic for a few rows. Never the default
-  where the CPU has a bf16 dot product; needs AVX512-VNNI and our record kernels, or the AVX2 records path, which
-  always computes this way (refused elsewhere).
+  do: lossy in the activations (the weights are the file's), cheaper arithmetic for a few rows. Never the default;
+  needs AVX512-VNNI and our record kernels, or the AVX2 records path (`vpmaddubsw`; refused elsewhere).
 - `auto` (default): where the file's block type can be held exactly, the packed form for calls with up to
   the measured crossover rows (decode, short drafts, verification) and a dense copy for the rest; where our AMX
   GEMM over the packed weights also beats the dense one at prefill sizes (64-256 rows, measured), those run
@@ -17,9 +16,8 @@
   Both are the file's values: the dense copy rounded once to the dtype, the packed form exact for int8 and
   with its int4 group scale and zero rounded to the dtype (exact in float32); on CPUs with AMX our own packed
   forms hold scales in float16 (exact for Q4_0 / Q4_1 / Q8_0 / Q5_0, the K-quants' d * sc rounded at 2^-11).
-  So both compute the same model up to that rounding. On CPUs with AVX2 but neither AMX nor AVX512-BF16 the
-  packed records run `kernels/records_avx2.cpp`, which quantises the activations as `auto-q8act` does (AVX2 has
-  no bf16 dot product; llama.cpp computes the same way there): the load log says "activations in int8".
+  So both compute the same model up to that rounding. The packed records run AMX, AVX512-BF16 or, on CPUs with
+  only AVX2, float32 FMAs (`kernels/records_avx2.cpp`).
 
 A draft model may also be requantised (`requantize`, speculative_config quantization "int4"): its wider blocks
 rounded to 4 bits before packing, lossy for the draft only (its proposals are verified).
@@ -50,7 +48,7 @@ from . import gguf_blocks
 from .crossover import GEMM_ROWS, CrossoverCache, cache_path
 from .gguf_loader import _unpermute_rope, hf_name, open_reader, read_metadata
 from .llama import CausalLM
-from .packed import PackedWeight, _AmxPart, load_parts, pack, save_parts
+from .packed import PackedWeight, load_parts, pack, save_parts
 
 log = logging.getLogger("turbospec.weights")
 
@@ -75,14 +73,12 @@ class WeightReport:
     prefill_packed: int = 0  # linears whose prefill-sized calls run packed too (crossover.GEMM_ROWS)
     kept_dense: dict[str, str] = field(default_factory=dict)  # target -> why it has no packed form
     requantized: bool = False  # wider types rounded to 4 bits (a draft model's choice; gguf_blocks.requantize_int4)
-    int8_activations: bool = False  # the packed products quantise their activations (auto-q8act, or the AVX2 path)
 
     def line(self) -> str:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.part_kinds.items())) or "none"
         rows = sorted(set(self.crossover.values()) - {0})  # 0: left dense, counted as such
         return (f"weight format {self.format}{' (requantised to 4 bits)' if self.requantized else ''}: "
-                f"{self.packed_linears} linears packed ({kinds} parts"
-                f"{', activations in int8' if self.int8_activations and self.packed_linears else ''}, "
+                f"{self.packed_linears} linears packed ({kinds} parts, "
                 f"{self.packed_bytes / 2**20:.0f} MiB), {self.dense_only_linears} dense only; dense weights kept "
                 f"{self.dense_bytes / 2**20:.0f} MiB; packed for calls of up to {rows} rows"
                 + (f" and, for {self.prefill_packed} linears, of {GEMM_ROWS[0]} rows or more" if self.prefill_packed
@@ -246,6 +242,5 @@ def _pack_from_gguf(net: CausalLM, gguf: Path, fmt: str, dtype: torch.dtype, rep
         report.packed_linears += 1
         report.packed_bytes += packed.nbytes
         report.part_kinds.update(p.kind for p in packed.parts)
-        report.int8_activations |= fmt == Q8_ACT or any(isinstance(p, _AmxPart) for p in packed.parts) and \
-            kernels.records_lossy()
+
     crossover.save()

@@ -1,0 +1,242 @@
+// y = x @ W^T for bf16 x [M, K] and the tile-order records of amx_grouped.cpp (int4, int6, int8) on CPUs with AVX2
+// but no AVX-512, with the activations quantised to int8 per row and group of 32 inputs, as llama.cpp's dot products
+// do on such CPUs: weight format auto-q8act there (the float path is records_avx2.cpp).
+//
+// Why: `vpmaddubsw` multiplies 32 unsigned weight bytes by 32 signed activation bytes into 16 int16 pair sums in one
+// instruction, so a few rows (verification, batches) cost less arithmetic than float32 FMAs on expanded weights.
+//
+// The arithmetic is records_dpbf16.cpp's int8-activation kernel to the bit: the same quantisation (scale
+// max|x| / 127, round to nearest even), exact integer sums per group, then the same float32 operations in the same
+// order, so a CPU with AVX512-VNNI gives the same outputs from either kernel. The records are read in their own
+// order: each 32-byte chunk holds, per output, a 16-bit word of an input pair or quad, so the 16 outputs of a record
+// sit in one register and each activation pair is broadcast.
+//   int4: word = inputs (4u, 4u+1) in the low nibbles, (4u+2, 4u+3) in the high ones, values 0..15
+//   int6: as int4 (low 4 bits) plus two high bits per input from the pair chunk, values 0..63
+//   int8: two words per input quad, signed bytes: |q| times the activation with q's sign (vpmaddubsw is
+//         unsigned x signed; |q| <= 128 and |x| <= 127 keep each pair sum within int16)
+// Pair sums are added in int16 while they cannot overflow (int4: 4 chunks, int6: 1, int8: none), then widened.
+//
+// Compiled through function attributes whatever the build's flags; runs where `avx2_records_available()`.
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "records.h"
+
+namespace {
+
+constexpr int kPassRows = 4;         // activation rows per pass: their sums fit the 16 registers
+constexpr int kPrefetchAhead = 6;    // records ahead in the stream
+
+#if TS_AVX2
+
+#define UNROLL _Pragma("GCC unroll 16")
+
+// Per row and group of 32 inputs: the int8 activations, their scale, the halves' int32 sums; the same values as
+// records_dpbf16.cpp's quantize_rows.
+TS_AVX2_TARGET void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, int8_t* xq, float* scale,
+                                  int32_t* qsum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < k / 32; ++g) {
+      const uint16_t* p = x + r * k + g * 32;
+      __m256 v[4];
+      for (int j = 0; j < 4; ++j)
+        v[j] = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * j))), 16));
+      __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                               _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, m);
+      float top = lanes[0];
+      for (int j = 1; j < 8; ++j) top = lanes[j] > top ? lanes[j] : top;
+      const float a = top > 0.f ? top / 127.f : 1.f;
+      const __m256 inv = _mm256_set1_ps(1.f / a);
+      alignas(32) int32_t q[32];
+      for (int j = 0; j < 4; ++j)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(q + 8 * j), _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv)));
+      int32_t half[2] = {0, 0};
+      for (int j = 0; j < 32; ++j) {
+        const int32_t c = q[j] > 127 ? 127 : q[j] < -128 ? -128 : q[j];  // saturate as vpmovsdb does
+        xq[r * k + g * 32 + j] = static_cast<int8_t>(c);
+        half[j / 16] += q[j];  // the VNNI kernel sums the unsaturated int32 values
+      }
+      scale[r * (k / 32) + g] = a;
+      qsum[(r * (k / 32) + g) * 2] = half[0];
+      qsum[(r * (k / 32) + g) * 2 + 1] = half[1];
+    }
+}
+
+// An int16 register of 16 outputs' pair sums added to the int32 sums of outputs 0..7 and 8..15.
+TS_AVX2_TARGET inline void widen_add(__m256i v, __m256i* lo, __m256i* hi) {
+  *lo = _mm256_add_epi32(*lo, _mm256_cvtepi16_epi32(_mm256_castsi256_si128(v)));
+  *hi = _mm256_add_epi32(*hi, _mm256_cvtepi16_epi32(_mm256_extracti128_si256(v, 1)));
+}
+
+// Row i's activation pair (inputs j, j + 1) in every 16-bit lane.
+TS_AVX2_TARGET inline __m256i pair(const int8_t* xq, int64_t j) {
+  int16_t v;
+  std::memcpy(&v, xq + j, sizeof v);
+  return _mm256_set1_epi16(v);
+}
+
+// One scale group (int4: 32 inputs, int6 and int8: 16) of one record against R rows: the exact integer sums of
+// each row's int8 activations times the weights, outputs 0..7 in lo[i], 8..15 in hi[i].
+template <int KIND, int R>
+TS_AVX2_TARGET inline void group_sums(const uint8_t* record, int h, const int8_t* xq, int64_t x_stride, __m256i* lo,
+                                      __m256i* hi) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  UNROLL for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm256_setzero_si256();
+  if constexpr (KIND == kInt4) {
+    UNROLL for (int half = 0; half < 2; ++half) {  // 4 chunks of int16 sums: at most 4 * 2 * 2 * 15 * 127
+      __m256i acc[R];
+      UNROLL for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_si256();
+      UNROLL for (int u = 4 * half; u < 4 * half + 4; ++u) {
+        const __m256i w = load(record + 32 * u);
+        const __m256i low = _mm256_and_si256(w, nibble), high = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+        UNROLL for (int i = 0; i < R; ++i) {
+          const int8_t* xi = xq + i * x_stride + 4 * u;
+          acc[i] = _mm256_add_epi16(acc[i], _mm256_add_epi16(_mm256_maddubs_epi16(low, pair(xi, 0)),
+                                                              _mm256_maddubs_epi16(high, pair(xi, 2))));
+        }
+      }
+      UNROLL for (int i = 0; i < R; ++i) widen_add(acc[i], &lo[i], &hi[i]);
+    }
+  } else if constexpr (KIND == kInt6) {
+    const __m256i top = _mm256_set1_epi8(0x30);
+    UNROLL for (int u = 2 * h; u < 2 * h + 2; ++u) {  // inputs 8u .. 8u + 7
+      const __m256i n0 = load(record + 64 * u), n1 = load(record + 64 * u + 32), p = load(record + 256 + 32 * u);
+      // each input's two high bits moved to bits 4-5 of its byte (pair bits 0, 2, 4, 6 of each byte: inputs
+      // 8u + (0, 2, 4, 6) in the low byte, 8u + (1, 3, 5, 7) in the high one)
+      const __m256i w[4] = {
+          _mm256_or_si256(_mm256_and_si256(n0, nibble), _mm256_and_si256(_mm256_slli_epi16(p, 4), top)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n0, 4), nibble),
+                          _mm256_and_si256(_mm256_slli_epi16(p, 2), top)),
+          _mm256_or_si256(_mm256_and_si256(n1, nibble), _mm256_and_si256(p, top)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n1, 4), nibble),
+                          _mm256_and_si256(_mm256_srli_epi16(p, 2), top))};
+      UNROLL for (int i = 0; i < R; ++i) {
+        const int8_t* xi = xq + i * x_stride + 8 * u;
+        UNROLL for (int j = 0; j < 4; j += 2)  // two pair sums of at most 2 * 63 * 127 each
+          widen_add(_mm256_add_epi16(_mm256_maddubs_epi16(w[j], pair(xi, 2 * j)),
+                                     _mm256_maddubs_epi16(w[j + 1], pair(xi, 2 * j + 2))),
+                    &lo[i], &hi[i]);
+      }
+    }
+  } else {
+    UNROLL for (int u = 4 * h; u < 4 * h + 4; ++u) {  // inputs 4u .. 4u + 3: (4u, 4u + 1), then (4u + 2, 4u + 3)
+      UNROLL for (int j = 0; j < 2; ++j) {
+        const __m256i w = load(record + 64 * u + 32 * j), magnitude = _mm256_abs_epi8(w);
+        UNROLL for (int i = 0; i < R; ++i)
+          widen_add(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(pair(xq + i * x_stride, 4 * u + 2 * j), w)),
+                    &lo[i], &hi[i]);
+      }
+    }
+  }
+}
+
+// One record against R rows: out[16 i ..] += its contribution, as records_dpbf16.cpp's record_pass_q8.
+template <int KIND, int R>
+TS_AVX2_TARGET inline void record_pass(const uint8_t* record, const int8_t* xq, int64_t x_stride, const float* a,
+                                       int64_t a_stride, const int32_t* qsum, float* out) {
+  constexpr int kGroups = KIND == kInt4 ? 1 : 2;
+  UNROLL for (int h = 0; h < kGroups; ++h) {
+    __m256i lo[R], hi[R];
+    group_sums<KIND, R>(record, h, xq, x_stride, lo, hi);
+    __m256 s[2], c[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    if constexpr (KIND == kInt4) {
+      halves(record + 256, &s[0], &s[1]);
+      halves(record + 288, &c[0], &c[1]);  // q s + z
+    } else if constexpr (KIND == kInt6) {
+      halves(record + 384 + 32 * h, &s[0], &s[1]);
+      c[0] = _mm256_mul_ps(_mm256_set1_ps(-32.f), s[0]);  // (u - 32) s
+      c[1] = _mm256_mul_ps(_mm256_set1_ps(-32.f), s[1]);
+    } else {
+      halves(record + 512 + 32 * h, &s[0], &s[1]);
+    }
+    UNROLL for (int i = 0; i < R; ++i) {
+      const int32_t* qs = qsum + i * a_stride * 2;
+      const float ai = a[i * a_stride];
+      const __m256i sum[2] = {lo[i], hi[i]};
+      UNROLL for (int e = 0; e < 2; ++e) {
+        __m256 o = _mm256_load_ps(out + 16 * i + 8 * e);
+        o = _mm256_fmadd_ps(_mm256_mul_ps(s[e], _mm256_set1_ps(ai)), _mm256_cvtepi32_ps(sum[e]), o);
+        if constexpr (KIND != kInt8) {
+          const int32_t q = KIND == kInt4 ? qs[0] + qs[1] : qs[h];
+          o = _mm256_fmadd_ps(c[e], _mm256_set1_ps(ai * static_cast<float>(q)), o);
+        }
+        _mm256_store_ps(out + 16 * i + 8 * e, o);
+      }
+    }
+  }
+}
+
+// Output block nb over all K for R rows: one sequential stream of records, which the prefetchers follow.
+template <int KIND, int R>
+TS_AVX2_TARGET void block_pass(const Quantized& x, int64_t k, const uint8_t* w, int64_t nb, int64_t groups,
+                               uint16_t* y, int64_t n) {
+  constexpr int64_t kBytes = kRecordBytes[KIND];
+  alignas(32) float sums[R * kTileN] = {};
+  const uint8_t* stream = w + nb * groups * kBytes;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* record = stream + g * kBytes;
+    for (int64_t line = 0; line < kBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(record + kPrefetchAhead * kBytes + line), _MM_HINT_T0);
+    record_pass<KIND, R>(record, x.xq + g * 32, k, x.scale + g, groups, x.qsum + g * 2, sums);
+  }
+  UNROLL for (int i = 0; i < R; ++i) {
+    __m128i* dst = reinterpret_cast<__m128i*>(y + i * n + nb * kTileN);
+    _mm_storeu_si128(dst, to_bf16(_mm256_load_ps(sums + 16 * i)));
+    _mm_storeu_si128(dst + 1, to_bf16(_mm256_load_ps(sums + 16 * i + 8)));
+  }
+}
+
+template <int KIND, int... R>
+PassQ8Fn pass_fn(int rows, std::integer_sequence<int, R...>) {
+  static constexpr PassQ8Fn fns[] = {&block_pass<KIND, R + 1>...};
+  return fns[rows - 1];
+}
+
+PassQ8Fn pick_pass(int kind, int rows) {
+  const auto counts = std::make_integer_sequence<int, kPassRows>{};
+  return kind == kInt4 ? pass_fn<kInt4>(rows, counts) : kind == kInt6 ? pass_fn<kInt6>(rows, counts)
+                                                                      : pass_fn<kInt8>(rows, counts);
+}
+
+#endif  // TS_AVX2
+
+const char* const kNames[3] = {"avx2q8_int4_mm", "avx2q8_int6_mm", "avx2q8_int8_mm"};
+
+at::Tensor records_avx2_q8_mm(const at::Tensor& x, const at::Tensor& w, int kind) {
+  const char* name = kNames[kind];
+  TORCH_CHECK(avx2_ready(), name, ": this CPU (or its kernel) does not offer AVX2, FMA and F16C");
+  at::Tensor y = records_output(name, x, w, kind);
+#if TS_AVX2
+  run_q8_passes(x, w, kind, y, kPassRows, &quantize_rows, &pick_pass);
+#endif
+  return y;
+}
+
+at::Tensor avx2q8_int4_mm(const at::Tensor& x, const at::Tensor& w) { return records_avx2_q8_mm(x, w, kInt4); }
+at::Tensor avx2q8_int6_mm(const at::Tensor& x, const at::Tensor& w) { return records_avx2_q8_mm(x, w, kInt6); }
+at::Tensor avx2q8_int8_mm(const at::Tensor& x, const at::Tensor& w) { return records_avx2_q8_mm(x, w, kInt8); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(turbospec, m) {
+  m.def("avx2q8_int4_mm(Tensor x, Tensor w) -> Tensor");
+  m.def("avx2q8_int6_mm(Tensor x, Tensor w) -> Tensor");
+  m.def("avx2q8_int8_mm(Tensor x, Tensor w) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(turbospec, CPU, m) {
+  m.impl("avx2q8_int4_mm", &avx2q8_int4_mm);
+  m.impl("avx2q8_int6_mm", &avx2q8_int6_mm);
+  m.impl("avx2q8_int8_mm", &avx2q8_int8_mm);
+}
