@@ -9,6 +9,7 @@ import torch
 
 from turbospec import LLM, SamplingParams, attention_choice, kernels
 from turbospec.models import fused_layers
+from turbospec.models.crossover import Crossover, CrossoverCache
 from turbospec.models.fused_layers import FusedLayers
 from turbospec.models.llama import CausalLM, DecoderLayer
 
@@ -52,14 +53,14 @@ class StepLog:
 
 
 def _llm(speculative_config=None) -> LLM:
-    llm = LLM(MODEL, dtype="bfloat16", weight_format="auto", kv_cache_memory_gib=0.25, progress=False,
-              speculative_config=speculative_config, enable_prefix_caching=False)
+    # every linear packed up to 64 rows whatever this machine's crossover says (which may keep a small linear dense
+    # where our kernel is compute-bound, as on AVX2), so that every step of the test can run the compiled layer;
+    # both paths then run the same products
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(CrossoverCache, "get", lambda *_: Crossover(max_rows=64, gemm_rows=0))
+        llm = LLM(MODEL, dtype="bfloat16", weight_format="auto", kv_cache_memory_gib=0.25, progress=False,
+                  speculative_config=speculative_config, enable_prefix_caching=False)
     net = llm.engine.loaded.model
-    # every linear packed up to 64 rows whatever this machine's crossover says, so that every step of the test
-    # can run the compiled layer; both paths then run the same products
-    for module in net.modules():
-        if getattr(module, "packed", None) is not None:
-            module.packed.max_rows = 64
     # a qkv bias (SmolLM2 has none; Qwen2 has one): the compiled layer adds it as the Python one does
     gen = torch.Generator().manual_seed(0)
     for layer in net.layers:

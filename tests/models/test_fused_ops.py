@@ -88,5 +88,10 @@ def test_a_models_greedy_tokens_and_logprobs_are_the_same_with_and_without_the_f
     # path), under 0.05 on a Xeon with AMX: which logit's rounding flips is luck, so one spacing is the bound
     tolerance = 0.3
     for fused_step, step in zip(fused_logprobs, logprobs):
-        assert fused_step.keys() == step.keys()
-        assert all(abs(fused_step[t].logprob - step[t].logprob) <= tolerance for t in step)
+        both = fused_step.keys() & step.keys()
+        assert all(abs(fused_step[t].logprob - step[t].logprob) <= tolerance for t in both)
+        # the top-k sets may differ only by a near tie at their cut: a token in one set alone sits within the
+        # tolerance of the other set's last one
+        for ours, theirs in ((fused_step, step), (step, fused_step)):
+            cut = min(e.logprob for e in theirs.values())
+            assert all(abs(ours[t].logprob - cut) <= tolerance for t in ours.keys() - both)
