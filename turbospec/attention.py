@@ -39,6 +39,15 @@ class AttnGroup:
     invariant: bool = False
     _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     _kernel: str | None = None  # kernel()'s answer, once the first layer has asked
+    _scatter: torch.Tensor | None = None  # scatter()'s answer, computed once per step
+
+    def scatter(self) -> torch.Tensor:
+        """[2, n] int64 for a padded group: row 0 the flat [B * Q] positions of its valid queries' outputs, row 1
+        the rows of the batch they fill (padded queries' outputs are dropped)."""
+        if self._scatter is None:
+            kept = self.query_valid.reshape(-1).nonzero().squeeze(1)
+            self._scatter = torch.stack((kept, self.token_index.reshape(-1)[kept]))
+        return self._scatter
 
     def kernel(self, q: torch.Tensor, k_cache: torch.Tensor) -> str:
         """How this group attends: "invariant", "fused", "matmul" or "sdpa" (attention_choice.py). Every layer of
@@ -203,7 +212,8 @@ def paged_attention(
         if g.token_range is not None:
             out[g.token_range[0]: g.token_range[1]] = og.reshape(-1, num_heads * head_dim)
         else:
-            out[g.token_index[g.query_valid]] = og[g.query_valid]
+            kept, rows = g.scatter()
+            out.index_copy_(0, rows, og.reshape(-1, num_heads * head_dim).index_select(0, kept))
     return out
 
 

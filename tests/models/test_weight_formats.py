@@ -153,14 +153,18 @@ def _int8_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(groups * (1 / scale)).clamp(-127, 127) * scale).reshape(x.shape)
 
 
-def _int8_activation_kernels() -> list:
-    """The int8-activation kernels of the records this CPU runs, each a test case: AVX512-VNNI's (auto-q8act) and
-    AVX2's (the records path of CPUs without AVX-512); the others skip with the reason."""
+def _int8_activation_paths() -> dict[str, bool]:
+    """Which int8-activation kernels of the records run here: AVX512-VNNI's ("q8") and AVX2's ("avx2q8")."""
     module = kernels.load()
-    available = {"q8": module is not None and bool(module.q8_records_available()),
-                 "avx2q8": module is not None and bool(module.avx2_records_available())}
+    return {"q8": module is not None and bool(module.q8_records_available()),
+            "avx2q8": module is not None and bool(module.avx2_records_available())}
+
+
+def _int8_activation_kernels() -> list:
+    """Those kernels, each a test case; the ones this CPU lacks skip with the reason."""
     why = {"q8": "this CPU has no AVX512-VNNI", "avx2q8": "this CPU has no AVX2 + FMA + F16C"}
-    return [pytest.param(path, marks=pytest.mark.skipif(not ok, reason=why[path])) for path, ok in available.items()]
+    return [pytest.param(path, marks=pytest.mark.skipif(not ok, reason=why[path]))
+            for path, ok in _int8_activation_paths().items()]
 
 
 @pytest.mark.parametrize("path", _int8_activation_kernels())
@@ -384,8 +388,7 @@ def test_packed_logits_match_the_bf16_formats_in_bfloat16():
     assert diff <= 0.05 * logits["bf16"].abs().max().item()
 
 
-@pytest.mark.skipif(not (kernels.load() is not None and kernels.load().q8_records_available()
-                         and kernels.load().avx2_records_available()),
+@pytest.mark.skipif(not all(_int8_activation_paths().values()),
                     reason="needs both AVX512-VNNI and AVX2 (the AVX2 kernel is compared with the VNNI one)")
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0"])
 def test_the_avx2_int8_activation_kernel_gives_the_vnni_kernels_bits(type_name):

@@ -165,14 +165,14 @@ def q8_records_available() -> bool:
 def record_op(kind: str, int8_activations: bool = False) -> Any:
     """The operator for `kind` (amx-int4, amx-int6, amx-int8: the parts in `models.packed`): op(x, data) is
     bf16 x [M, K] @ W^T for W in that kind's record layout, in bf16, on the path `records_path()` names (or, with
-    `int8_activations`, the activations quantised to int8 and AVX512-VNNI products). Where no path runs, a stand-in
-    that says so when called (a part's layout still works without them)."""
+    `int8_activations`, the activations quantised to int8: AVX512-VNNI products, or AVX2's on the AVX2 path). Where
+    no path runs, a stand-in that says so when called (a part's layout still works without them)."""
     path = records_path()
     if int8_activations:
         path = "avx2q8" if path == "avx2" else "q8"
     if not path:
         def unavailable(*_: Any) -> torch.Tensor:
-            raise RuntimeError(f"{kind} parts need the compiled AMX or AVX512-BF16 kernels, which are unavailable "
+            raise RuntimeError(f"{kind} parts need the compiled AMX, AVX512-BF16 or AVX2 kernels, which are unavailable "
                                f"here: {_failure or 'this CPU has neither'}")
 
         return unavailable

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -78,8 +79,38 @@ inline at::Tensor records_output(const char* name, const at::Tensor& x, const at
   return at::empty({x.size(0), w.size(0) * kTileN}, x.options());
 }
 
-// y = x @ W^T with x quantised by `quantize` and each pass of at most `pass_rows` rows (as even as possible) run by
-// `pick(kind, rows)`; a block's later passes read its records from cache.
+// The output blocks shared between threads, one block at a time (each thread reads one sequential stream of
+// records); each block's rows in passes of at most `pass_rows`, as even as possible (9 rows in passes of 8: 4 + 5),
+// the later passes reading the block's records from cache. pass(nb, first row, rows) runs one pass. The split
+// never changes a row's own arithmetic, so a row's result does not depend on the call's other rows.
+template <typename Pass>
+inline void for_each_pass(int64_t rows, int64_t blocks, int64_t pass_rows, const Pass& pass) {
+  const int64_t passes = (rows + pass_rows - 1) / pass_rows;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb)
+      for (int64_t p = 0, row0 = 0; p < passes; ++p) {
+        const int64_t count = (rows - row0) / (passes - p);
+        pass(nb, row0, static_cast<int>(count));
+        row0 += count;
+      }
+  });
+}
+
+// A kernel's pass for `rows` (1..MaxRows) rows of `kind`: Pass<kind, rows>::fn, each an instantiation whose row
+// count is a compile-time constant (its sums stay in registers).
+template <typename Fn, template <int, int> class Pass, int... R>
+Fn pass_from_table(int kind, int rows, std::integer_sequence<int, R...>) {
+  static constexpr Fn fns[3][sizeof...(R)] = {
+      {Pass<kInt4, R + 1>::fn...}, {Pass<kInt6, R + 1>::fn...}, {Pass<kInt8, R + 1>::fn...}};
+  return fns[kind][rows - 1];
+}
+
+template <typename Fn, template <int, int> class Pass, int MaxRows>
+Fn pick_pass(int kind, int rows) {
+  return pass_from_table<Fn, Pass>(kind, rows, std::make_integer_sequence<int, MaxRows>{});
+}
+
+// y = x @ W^T with x quantised by `quantize`, in passes of at most `pass_rows` rows run by `pick(kind, rows)`.
 inline void run_q8_passes(const at::Tensor& x_in, const at::Tensor& w, int kind, at::Tensor& y, int pass_rows,
                           QuantizeFn quantize, PassQ8Fn (*pick)(int, int)) {
   const int64_t rows = x_in.size(0), k = x_in.size(1), blocks = w.size(0), groups = w.size(1), n = blocks * kTileN;
@@ -91,15 +122,9 @@ inline void run_q8_passes(const at::Tensor& x_in, const at::Tensor& w, int kind,
   quantize(reinterpret_cast<const uint16_t*>(x.data_ptr()), rows, k, xq.data(), scale.data(), qsum.data());
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t passes = (rows + pass_rows - 1) / pass_rows;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1; ++nb)
-      for (int64_t p = 0, row0 = 0; p < passes; ++p) {
-        const int64_t count = (rows - row0) / (passes - p);
-        const Quantized part{xq.data() + row0 * k, scale.data() + row0 * groups, qsum.data() + row0 * groups * 2};
-        pick(kind, static_cast<int>(count))(part, k, wp, nb, groups, yp + row0 * n, n);
-        row0 += count;
-      }
+  for_each_pass(rows, blocks, pass_rows, [&](int64_t nb, int64_t row0, int count) {
+    const Quantized part{xq.data() + row0 * k, scale.data() + row0 * groups, qsum.data() + row0 * groups * 2};
+    pick(kind, count)(part, k, wp, nb, groups, yp + row0 * n, n);
   });
 }
 

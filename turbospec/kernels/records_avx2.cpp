@@ -203,17 +203,10 @@ TS_AVX2_TARGET void block_pass(const float* x, int64_t k, const float* xsum, int
 using PassFn = void (*)(const float*, int64_t, const float*, int64_t, const uint8_t*, int64_t, int64_t, uint16_t*,
                         int64_t);
 
-template <int KIND, int... R>
-PassFn pass_fn(int rows, std::integer_sequence<int, R...>) {
-  static constexpr PassFn fns[] = {&block_pass<KIND, R + 1>...};
-  return fns[rows - 1];
-}
-
-PassFn pick_pass(int kind, int rows) {
-  const auto counts = std::make_integer_sequence<int, kPassRows>{};
-  return kind == kInt4 ? pass_fn<kInt4>(rows, counts) : kind == kInt6 ? pass_fn<kInt6>(rows, counts)
-                                                                      : pass_fn<kInt8>(rows, counts);
-}
+template <int KIND, int R>
+struct FloatPass {
+  static constexpr PassFn fn = &block_pass<KIND, R>;
+};
 
 // bf16 rows -> float32 (exact), and per row and group the float32 sum of the group's activations in a fixed order
 TS_AVX2_TARGET void widen_rows(const uint16_t* x, int64_t rows, int64_t k, int64_t group, float* xf, float* xsum) {
@@ -251,16 +244,9 @@ at::Tensor records_avx2_mm(const at::Tensor& x_in, const at::Tensor& w, int kind
   widen_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), rows, k, group, xf.data(), xsum.data());
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  // rows in passes of at most kPassRows, as even as possible; a block's later passes read its records from cache
-  const int64_t pass_rows = kind == kInt4 ? kPassRowsInt4 : kPassRows, passes = (rows + pass_rows - 1) / pass_rows;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1; ++nb)
-      for (int64_t p = 0, row0 = 0; p < passes; ++p) {
-        const int64_t count = (rows - row0) / (passes - p);
-        pick_pass(kind, static_cast<int>(count))(xf.data() + row0 * k, k, xsum.data() + row0 * xsum_stride,
-                                                 xsum_stride, wp, nb, groups, yp + row0 * n, n);
-        row0 += count;
-      }
+  for_each_pass(rows, blocks, kind == kInt4 ? kPassRowsInt4 : kPassRows, [&](int64_t nb, int64_t row0, int count) {
+    pick_pass<PassFn, FloatPass, kPassRows>(kind, count)(xf.data() + row0 * k, k, xsum.data() + row0 * xsum_stride,
+                                                         xsum_stride, wp, nb, groups, yp + row0 * n, n);
   });
 #endif
   return y;

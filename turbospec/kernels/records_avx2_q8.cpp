@@ -197,17 +197,10 @@ TS_AVX2_TARGET void block_pass(const Quantized& x, int64_t k, const uint8_t* w, 
   }
 }
 
-template <int KIND, int... R>
-PassQ8Fn pass_fn(int rows, std::integer_sequence<int, R...>) {
-  static constexpr PassQ8Fn fns[] = {&block_pass<KIND, R + 1>...};
-  return fns[rows - 1];
-}
-
-PassQ8Fn pick_pass(int kind, int rows) {
-  const auto counts = std::make_integer_sequence<int, kPassRows>{};
-  return kind == kInt4 ? pass_fn<kInt4>(rows, counts) : kind == kInt6 ? pass_fn<kInt6>(rows, counts)
-                                                                      : pass_fn<kInt8>(rows, counts);
-}
+template <int KIND, int R>
+struct Q8Pass {
+  static constexpr PassQ8Fn fn = &block_pass<KIND, R>;
+};
 
 #endif  // TS_AVX2
 
@@ -218,7 +211,7 @@ at::Tensor records_avx2_q8_mm(const at::Tensor& x, const at::Tensor& w, int kind
   TORCH_CHECK(avx2_ready(), name, ": this CPU (or its kernel) does not offer AVX2, FMA and F16C");
   at::Tensor y = records_output(name, x, w, kind);
 #if TS_AVX2
-  run_q8_passes(x, w, kind, y, kPassRows, &quantize_rows, &pick_pass);
+  run_q8_passes(x, w, kind, y, kPassRows, &quantize_rows, &pick_pass<PassQ8Fn, Q8Pass, kPassRows>);
 #endif
   return y;
 }

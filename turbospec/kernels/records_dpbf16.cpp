@@ -165,17 +165,11 @@ TS_DP_TARGET void block_pass(const uint16_t* x, int64_t k, const float* xsum, in
 using PassFn = void (*)(const uint16_t*, int64_t, const float*, int64_t, const uint8_t*, int64_t, int64_t,
                         uint16_t*, int64_t);
 
-template <int KIND, int... R>
-PassFn pass_fn(int rows, std::integer_sequence<int, R...>) {
-  static constexpr PassFn fns[] = {&block_pass<KIND, R + 1>...};
-  return fns[rows - 1];
-}
+template <int KIND, int R>
+struct FloatPass {
+  static constexpr PassFn fn = &block_pass<KIND, R>;
+};
 
-PassFn pick_pass(int kind, int rows) {
-  const auto counts = std::make_integer_sequence<int, kPassRows>{};
-  return kind == kInt4 ? pass_fn<kInt4>(rows, counts) : kind == kInt6 ? pass_fn<kInt6>(rows, counts)
-                                                                       : pass_fn<kInt8>(rows, counts);
-}
 
 // Per row and group of `group` (16 or 32) inputs, the float32 sum of the bf16 activations, summed in a fixed order.
 TS_DP_TARGET void group_sums(const uint16_t* x, int64_t rows, int64_t k, int64_t group, float* out) {
@@ -345,17 +339,10 @@ TS_VNNI_TARGET void block_pass_q8(const Quantized& x, int64_t k, const uint8_t* 
 
 constexpr int kPassRowsQ8 = 16;  // rows per pass of the int8-activation kernel (one int32 sum per row from 4 rows)
 
-template <int KIND, int... R>
-PassQ8Fn pass_q8_fn(int rows, std::integer_sequence<int, R...>) {
-  static constexpr PassQ8Fn fns[] = {&block_pass_q8<KIND, R + 1>...};
-  return fns[rows - 1];
-}
-
-PassQ8Fn pick_pass_q8(int kind, int rows) {
-  const auto counts = std::make_integer_sequence<int, kPassRowsQ8>{};
-  return kind == kInt4 ? pass_q8_fn<kInt4>(rows, counts) : kind == kInt6 ? pass_q8_fn<kInt6>(rows, counts)
-                                                                         : pass_q8_fn<kInt8>(rows, counts);
-}
+template <int KIND, int R>
+struct Q8Pass {
+  static constexpr PassQ8Fn fn = &block_pass_q8<KIND, R>;
+};
 
 #endif  // TS_DP
 
@@ -375,16 +362,10 @@ at::Tensor records_mm(const at::Tensor& x_in, const at::Tensor& w, int kind) {
   const int64_t group = kind == kInt4 ? 32 : 16, xsum_stride = k / group;
   std::vector<float> xsum(kind == kInt8 ? 0 : rows * xsum_stride);
   if (kind != kInt8) group_sums(xp, rows, k, group, xsum.data());
-  // rows in passes of at most kPassRows, as even as possible (9 rows: 4 + 5, each with enough sums in flight)
-  const int64_t passes = (rows + kPassRows - 1) / kPassRows;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1; ++nb)
-      for (int64_t p = 0, row0 = 0; p < passes; ++p) {  // a block's later passes read its records from cache
-        const int64_t count = (rows - row0) / (passes - p);
-        const float* sums = xsum.empty() ? nullptr : xsum.data() + row0 * xsum_stride;
-        pick_pass(kind, static_cast<int>(count))(xp + row0 * k, k, sums, xsum_stride, wp, nb, groups, yp + row0 * n, n);
-        row0 += count;
-      }
+  for_each_pass(rows, blocks, kPassRows, [&](int64_t nb, int64_t row0, int count) {
+    const float* sums = xsum.empty() ? nullptr : xsum.data() + row0 * xsum_stride;
+    pick_pass<PassFn, FloatPass, kPassRows>(kind, count)(xp + row0 * k, k, sums, xsum_stride, wp, nb, groups,
+                                                         yp + row0 * n, n);
   });
 #endif
   return y;
@@ -401,7 +382,7 @@ at::Tensor records_q8_mm(const at::Tensor& x, const at::Tensor& w, int kind) {
 #endif
   at::Tensor y = records_output(name, x, w, kind);
 #if TS_DP
-  run_q8_passes(x, w, kind, y, kPassRowsQ8, &quantize_rows, &pick_pass_q8);
+  run_q8_passes(x, w, kind, y, kPassRowsQ8, &quantize_rows, &pick_pass<PassQ8Fn, Q8Pass, kPassRowsQ8>);
 #endif
   return y;
 }

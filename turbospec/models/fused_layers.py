@@ -98,11 +98,10 @@ class FusedLayers:
                 starts.append(g.token_range[0])
                 gathers.append(_NONE)
                 scatters.append(_NONE)
-            else:  # sequences with different query counts, padded to the longest: the same gather and scatter
-                starts.append(-1)  # as paged_attention's
+            else:  # sequences with different query counts, padded to the longest: paged_attention's gather and
+                starts.append(-1)  # scatter
                 gathers.append(g.token_index.reshape(-1))
-                kept = g.query_valid.reshape(-1).nonzero().squeeze(1)
-                scatters.append(torch.stack((kept, g.token_index.reshape(-1)[kept])))
+                scatters.append(g.scatter())
             slots.append(g.kv_slots)
             masks.append(g.mask[:, 0].contiguous())
         cos, sin = rotary.lookup(positions, x.dtype)

@@ -334,7 +334,7 @@ def _part(g: Groups, dtype: torch.dtype, amx: bool) -> Part:
 
 def pack(groups: list[Groups], dtype: torch.dtype) -> PackedWeight:
     """Packed parts for a linear's row segments (same-kind neighbours merged): for bf16, our tile-order records where
-    the CPU runs them (`kernels.records_path()`: AMX, AVX512-BF16 or AVX2 dot products), else torch's int4 and our
+    the CPU runs them (`kernels.records_path()`: AMX, AVX512-BF16 dot products or AVX2 FMAs), else torch's int4 and our
     AVX-512 int8 kernel. ValueError when torch's int4 packing cannot take a part (it needs output rows in
     multiples of 16)."""
     amx = dtype == torch.bfloat16 and bool(kernels.records_path())

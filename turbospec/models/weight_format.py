@@ -242,5 +242,4 @@ def _pack_from_gguf(net: CausalLM, gguf: Path, fmt: str, dtype: torch.dtype, rep
         report.packed_linears += 1
         report.packed_bytes += packed.nbytes
         report.part_kinds.update(p.kind for p in packed.parts)
-
     crossover.save()
