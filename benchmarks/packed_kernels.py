@@ -1,7 +1,8 @@
 """Packed-weight kernels by row count, on qwen2.5-coder-1.5b's shapes: our kernel over the tile-order records (AMX,
-or AVX512-BF16 dot products on CPUs without AMX: `kernels.records_path()`) against torch's int4 kernel for Q4_K /
-our AVX-512 int8 kernel for Q6_K (what runs where neither does) and dense bf16 (oneDNN), next to the machine's
-streaming read bandwidth.
+AVX512-BF16 dot products on CPUs without AMX, or AVX2 FMAs on CPUs without AVX-512: `kernels.records_path()`) and
+its int8-activation variant (auto-q8act) against torch's int4 kernel for Q4_K / our int8 kernel for Q6_K (what runs
+where none does) and dense bf16 (oneDNN), next to the machine's streaming read bandwidth. Under
+TURBOSPEC_CPU_PATH=avx2 it measures the AVX2 path on a wider CPU (the machine line says so).
 
 Why: decode runs one row per request, verification k + 1 rows, a batch one row per request, prefill hundreds;
 a packed format pays only if it stays cheap across those counts. Weights are GGUF blocks of random values in the
@@ -9,7 +10,7 @@ model's block types (the kernels' speed does not depend on the values) and are e
 every call (a 512 MiB read, which leaves no dirty lines to write back), so each call reads them from memory, as a decode step does (the 1.5B model's
 weights do not fit the caches). Median of --repeats calls.
 
-    .venv/bin/python benchmarks/packed_kernels.py [--repeats 7 --threads 2]
+    .venv/bin/python benchmarks/packed_kernels.py [--repeats 7 --threads 2 --rows 1,2,4,9,16]
 """
 
 from __future__ import annotations
@@ -60,11 +61,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts (default %(default)s)")
     ap.add_argument("--out", default=str(default_out("packed_kernels")))
     args = ap.parse_args()
+    row_counts = [int(r) for r in args.rows.split(",")]
+    if not row_counts or min(row_counts) < 1 or 1 not in row_counts:
+        ap.error(f"--rows {args.rows!r}: positive row counts including 1 (the GB/s column is the one-row call's)")
     path = kernels.records_path()
     if not path:
-        sys.exit("packed_kernels.py: this CPU (or build) runs neither the AMX nor the AVX512-BF16 records kernel; "
+        sys.exit("packed_kernels.py: this CPU (or build) runs none of our records kernels (AMX, AVX512-BF16, AVX2); "
                  "nothing to compare")
 
     torch.set_num_threads(args.threads)
@@ -79,12 +84,12 @@ def main() -> None:
         groups = gguf_blocks.decode(random_blocks(type_name, n, k), type_name, n, k)
         int4 = type_name == "Q4_K"
         amx = AmxInt4Part.from_groups(groups) if int4 else AmxInt6Part.from_groups(groups)
-        # the same records with int8 activations (weight format auto-q8act), where the CPU has AVX512-VNNI
+        # the same records with int8 activations (weight format auto-q8act), where the CPU has AVX512-VNNI or AVX2
         q8 = kernels.record_op(amx.kind, int8_activations=True) if kernels.q8_records_available() else None
         other = Int4Part.from_groups(groups, torch.bfloat16) if int4 else Int8Part.from_groups(groups, torch.bfloat16)
         dense = torch.from_numpy(groups.dequantize()).to(torch.bfloat16)
         del groups
-        for rows in tqdm(ROWS, desc=name, leave=False):
+        for rows in tqdm(row_counts, desc=name, leave=False):
             x = torch.randn(rows, k).to(torch.bfloat16)
             row = {"shape": name, "rows": rows, "records_ms": median_ms(lambda: amx.mm(x), args.repeats, flush),
                    "q8act_ms": median_ms(lambda: q8(x, amx.data), args.repeats, flush) if q8 else None,
@@ -100,7 +105,8 @@ def main() -> None:
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    path = {"amx": "AMX", "dpbf16": "AVX512-BF16"}[meta["records_path"]]
+    path = {"amx": "AMX", "dpbf16": "AVX512-BF16", "avx2": "AVX2 FMA"}[meta["records_path"]]
+    q8_kernel = "AVX2 vpmaddubsw" if meta["records_path"] == "avx2" else "AVX512-VNNI"
     lines = ["# Packed-weight kernels by row count (qwen2.5-coder-1.5b shapes)", "",
              f"- {meta['command']}", f"- {meta['machine']}, {meta['threads']} threads, torch {meta['torch']}, "
              f"{meta['date']}, commit {meta['commit']}",
@@ -110,9 +116,9 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
              f"- streaming read bandwidth of this machine (float32 tensor.sum() over 1 GiB): "
              f"{meta['read_gb_per_s']:.1f} GB/s",
              "- int8 activations: the same records with the activations quantised to int8 (weight format "
-             "auto-q8act, AVX512-VNNI; lossy, never the default)", "",
+             f"auto-q8act, {q8_kernel}; lossy, never the default)", "",
              f"| shape | rows | records ({path}, ours) | x 1 row | int8 activations (ours) | x 1 row | "
-             "torch int4 / our AVX-512 int8 | dense bf16 | records / dense |", "|---|---|---|---|---|---|---|---|---|"]
+             "torch int4 / our int8 | dense bf16 | records / dense |", "|---|---|---|---|---|---|---|---|---|"]
     one = {r["shape"]: r["records_ms"] for r in rows if r["rows"] == 1}
     one_q8 = {r["shape"]: r.get("q8act_ms") for r in rows if r["rows"] == 1}
     for r in rows:

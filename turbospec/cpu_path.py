@@ -48,6 +48,13 @@ def cpu_flags() -> set[str] | None:
     return None
 
 
+def flags_in_use(flags: set[str]) -> set[str]:
+    """The CPU flags the requested path leaves in use (a forced path hides the wider units it switches off): what a
+    benchmark's machine line says it ran on, so a forced run is filed under the class it imitates."""
+    hidden = {"avx2": ("avx512", "amx"), "avx512": ("amx",)}.get(requested(), ())
+    return {f for f in flags if not f.startswith(hidden)} if hidden else flags
+
+
 def problem(path: str | None = None, flags: set[str] | None = None) -> str | None:
     """Why the requested path cannot run here (an unknown value, or a CPU lacking its instructions), else None."""
     path = requested() if path is None else path

@@ -66,3 +66,17 @@ print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "record
     seen = json.loads(got.stdout.strip().splitlines()[-1])
     # the packed records run the AVX2 kernel (int8 activations, records_avx2.cpp), not the AVX512-BF16 one
     assert seen == {"capability": "AVX2", "records": "avx2", "q8": True, "bf16_rows": "avx2", "tokens": 4}
+
+
+def test_a_forced_path_is_what_a_benchmark_says_it_ran_on(monkeypatch):
+    """A benchmark run under a forced path files its result under the class it imitates, and says it was forced."""
+    from turbospec.bench.machine import cpu_description
+
+    flags = {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}
+    monkeypatch.setenv(cpu_path.VARIABLE, "avx2")
+    assert cpu_path.flags_in_use(flags) == {"avx2", "fma"}
+    assert cpu_description().endswith(f"[{cpu_path.VARIABLE}=avx2]") and "avx512" not in cpu_description()
+    monkeypatch.setenv(cpu_path.VARIABLE, "avx512")
+    assert cpu_path.flags_in_use(flags) == flags - {"amx_bf16"}
+    monkeypatch.setenv(cpu_path.VARIABLE, "auto")
+    assert cpu_path.flags_in_use(flags) == flags and "[" not in cpu_description()

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .. import cpu_path
 from ..host import hardware_name
 
 # the vector units that decide our kernels' paths (kernels/): results from CPUs of one model name differ by them
@@ -21,7 +22,8 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 
 def cpu_description() -> str:
     """The CPU's model name, family and vector units: "AMD EPYC (family 26; avx2, avx512f, avx512_bf16)". Cloud
-    CPUs often share a model name across generations (Zen 2, 4 and 5 all read "AMD EPYC")."""
+    CPUs often share a model name across generations (Zen 2, 4 and 5 all read "AMD EPYC"). Under a forced CPU path
+    the units are those the path uses, and the line says it: "AMD EPYC (family 25; avx2) [TURBOSPEC_CPU_PATH=avx2]"."""
     family, flags = "", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -32,9 +34,10 @@ def cpu_description() -> str:
                 flags = set(value.split())
     except OSError:
         return hardware_name("cpu")
-    units = ", ".join(f for f in CPU_FLAGS if f in flags)
+    units = ", ".join(f for f in CPU_FLAGS if f in cpu_path.flags_in_use(flags))
     details = "; ".join(x for x in (f"family {family}" if family else "", units) if x)
-    return f"{hardware_name('cpu')} ({details})" if details else hardware_name("cpu")
+    forced = "" if cpu_path.requested() == "auto" else f" [{cpu_path.VARIABLE}={cpu_path.requested()}]"
+    return (f"{hardware_name('cpu')} ({details})" if details else hardware_name("cpu")) + forced
 
 
 def source_commit() -> str:
