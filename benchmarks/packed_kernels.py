@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT.parent / "tests"))
+sys.path.insert(0, str(ROOT.parent / "tests" / "models"))
 
 from harness import benchmark_meta, default_out, save  # noqa: E402
 from test_weight_formats import random_blocks  # noqa: E402  (valid random GGUF blocks)
