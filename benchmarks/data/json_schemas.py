@@ -2,8 +2,8 @@
 
 They look like what users send as OpenAI's `response_format: json_schema` (records, listings, triage
 results, nested objects, arrays of objects, enums), written for this benchmark because no package ships
-JSONSchemaBench on PyPI. Every string has a maxLength, every array a maxItems and every integer bounds,
-so that a small model cannot write forever; only features llguidance compiles are used.
+JSONSchemaBench on PyPI. Every string has a maxLength, every array a maxItems, every integer bounds and
+every amount of money a multipleOf 0.01, so that a small model cannot write forever; only features llguidance compiles are used.
 
     from data.json_schemas import CASES, requests
     for case, prompt in requests():   # 200 pairs, schema-major order
@@ -29,6 +29,12 @@ def integer(minimum: int, maximum: int) -> dict[str, Any]:
 
 def number(minimum: float, maximum: float) -> dict[str, Any]:
     return {"type": "number", "minimum": minimum, "maximum": maximum}
+
+
+def money(minimum: float, maximum: float) -> dict[str, Any]:
+    """An amount in cents, as payment APIs write it: multipleOf bounds the fraction digits, which a plain JSON
+    number leaves open (a small model can write 120.000000000000012000... until the token cap)."""
+    return {**number(minimum, maximum), "multipleOf": 0.01}
 
 
 def enum(*values: str) -> dict[str, Any]:
@@ -90,7 +96,7 @@ CASES: tuple[SchemaCase, ...] = (
         "title": text(80),
         "brand": text(40),
         "category": enum("electronics", "clothing", "home", "toys", "sports", "books", "beauty", "grocery"),
-        "price": obj({"amount": number(0, 100000), "currency": CURRENCY}),
+        "price": obj({"amount": money(0, 100000), "currency": CURRENCY}),
         "in_stock": {"type": "boolean"},
         "tags": array(text(20), 5),
         "rating": number(0, 5),
@@ -137,10 +143,10 @@ CASES: tuple[SchemaCase, ...] = (
         "line_items": array(obj({
             "description": text(80),
             "quantity": integer(1, 1000),
-            "unit_price": number(0, 100000),
+            "unit_price": money(0, 100000),
         }), 5, 1),
-        "tax_rate_percent": number(0, 30),
-        "total": number(0, 1000000),
+        "tax_rate_percent": money(0, 30),
+        "total": money(0, 1000000),
     }), (
         "Create invoice INV-1042 from Acme Corp to Globex dated 2024-04-01, due 2024-05-01, for 3 widgets at $20 each with 8% tax.",
         "Extract the invoice: 'INV-20931, Bright Design Studio bills Nordic Foods 1,200 EUR for logo design and 2x 300 EUR for brand guidelines, 19% VAT, issued 2024-02-12, due 2024-03-12'.",
@@ -250,7 +256,7 @@ CASES: tuple[SchemaCase, ...] = (
             "departure_time": {"type": "string", "pattern": TIME},
         }), 3, 1),
         "cabin": enum("economy", "premium_economy", "business", "first"),
-        "total_price": obj({"amount": number(0, 50000), "currency": CURRENCY}),
+        "total_price": obj({"amount": money(0, 50000), "currency": CURRENCY}),
     }), (
         "Book Alice Chen on LH400 from FRA to JFK on 2024-08-14 at 10:05, seat 23A, one bag, economy, 640 EUR, reference QX7P2L.",
         "Extract the booking: 'Ref ABC123, BA117 LHR-JFK 2024-12-20 08:25, business, passengers Mark Lee 2A and Sue Lee 2C, 2 bags each, 5400 GBP'.",
@@ -474,11 +480,11 @@ CASES: tuple[SchemaCase, ...] = (
             "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
             "name": text(60),
             "quantity": integer(1, 99),
-            "unit_price": number(0, 10000),
+            "unit_price": money(0, 10000),
         }), 5, 1),
         "coupon": {"anyOf": [{"type": "string", "pattern": "^[A-Z0-9]{4,12}$"}, {"type": "null"}]},
         "shipping_method": enum("standard", "express", "pickup"),
-        "subtotal": number(0, 100000),
+        "subtotal": money(0, 100000),
     }), (
         "Build a cart with 2 packs of AA batteries at $5.99 and one USB-C cable at $12.50, standard shipping.",
         "Create a cart for a birthday party: balloons, paper plates and a cake topper, express shipping.",
