@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import httpx
 import uvicorn
 
 from turbospec.engine import LLMEngine
@@ -51,3 +55,30 @@ def live_server(engine: LLMEngine, model_name: str, max_pending: int = 256,
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@contextmanager
+def serve_process(*flags: str, model: str = "dummy:tiny") -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`turbospec serve` as its own process on a free port, once /health answers: (the process, its URL).
+    Killed on exit if still running; its output (stdout and stderr) stays readable from the process."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "turbospec.cli", "serve", "--model", model, "--port", str(port),
+                             *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.1)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)

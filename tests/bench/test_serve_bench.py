@@ -10,13 +10,15 @@ import asyncio
 import json
 import math
 import re
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-from live_server import LiveServer, live_server
+from live_server import LiveServer, live_server, serve_process
 
 from turbospec.bench import serve_bench as sb
 from turbospec.bench import serve_client as sc
@@ -463,9 +465,10 @@ def stream_events(raw: bytes) -> list[dict]:
     return [json.loads(p) for p in payloads[:-1]]
 
 
-def scrape(server: LiveServer, name: str) -> float:
-    """One counter of the server's /metrics, summed over its label sets, read without parse_prometheus."""
-    lines = httpx.get(server.url + "/metrics").text.splitlines()
+def scrape(server: LiveServer | str, name: str) -> float:
+    """One counter of the server's /metrics (a live server or a URL), summed over its label sets, read without
+    parse_prometheus."""
+    lines = httpx.get((server if isinstance(server, str) else server.url) + "/metrics").text.splitlines()
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if re.match(rf"{re.escape(name)}[{{ ]", line))
 
 
@@ -518,3 +521,35 @@ def test_http_400_from_the_turbospec_server_is_recorded_not_raised(server, tmp_p
     for q in rate["requests"]:
         assert (q["success"], q["error"], q["ttft_ms"], q["output_tokens"]) == (False, error, None, 0)
     assert "rate inf: 3 failed: HTTP 400" in capsys.readouterr().out
+
+
+def test_a_server_killed_mid_run_ends_the_run_with_what_completed(tmp_path, capsys):
+    """A real `turbospec serve` process, SIGKILLed once two requests have finished: the run stops at once (it
+    neither waits out the arrival schedule nor starts the next rate), saves what completed and says so."""
+    with serve_process("--max-model-len", "256", "--num-threads", "1") as (proc, url):
+        args = flags("--base-url", url, "--dataset", "random", "--num-prompts", "40", "--random-input-len", "8",
+                     "--random-output-len", "8", "--ignore-eos", "--request-rate", "4,inf",
+                     "--output", str(tmp_path / "run"))
+        outcome: dict[str, int] = {}
+        runner = threading.Thread(target=lambda: outcome.update(code=sb.run(args)))
+        runner.start()
+        deadline = time.monotonic() + 60
+        while scrape(url, "turbospec:request_success_total") < 2:
+            assert time.monotonic() < deadline and runner.is_alive()
+            time.sleep(0.02)
+        proc.kill()
+        killed = time.monotonic()
+        runner.join(timeout=60)
+    assert time.monotonic() - killed < 5  # the 40 arrivals at 4 req/s span ~10 s: the rest were not waited for
+    assert outcome["code"] == 1
+    result = json.loads((tmp_path / "run.json").read_text())
+    [rate] = result["rates"]  # the inf rate never ran
+    assert rate["request_rate"] == 4.0 and rate["server_gone"]
+    assert 2 <= rate["completed"] < 40 and rate["completed"] + rate["failed"] == 40
+    assert rate["errors"].get(sb.NOT_SENT, 0) > 0
+    assert result["stopped"] == (f"the server stopped answering during rate 4 req/s: {rate['completed']} of 40 "
+                                 "requests completed there; 1 later rate(s) not run")
+    assert "Run stopped early" in (tmp_path / "run.md").read_text()
+    err = capsys.readouterr().err
+    assert "error: the server stopped answering" in err and "partial results are in" in err
+    assert "Traceback" not in err

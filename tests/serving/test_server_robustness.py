@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -19,7 +16,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from live_server import LiveServer, free_port, live_server
+from live_server import LiveServer, live_server, serve_process
 
 from turbospec.cli import main
 from turbospec.config import EngineConfig
@@ -370,22 +367,7 @@ def test_serve_refuses_bad_flags_with_exit_2(flags: list[str], capsys: pytest.Ca
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0() -> None:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "turbospec.cli", "serve", "--model", "dummy:tiny", "--port",
-                             str(port), "--max-model-len", "512", "--num-threads", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
-            time.sleep(0.1)
+    with serve_process("--max-model-len", "512", "--num-threads", "1") as (proc, url):
         received: list[str] = []
 
         def stream() -> None:
@@ -403,9 +385,6 @@ def test_sigterm_drains_in_flight_requests_and_exits_0() -> None:
         reader.join(timeout=30)
         assert [line for line in received if line][-1] == "data: [DONE]"  # finished, not cut
         assert '"finish_reason": "length"' in "".join(received)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     out = proc.stdout.read() if proc.stdout else ""
     assert "curl http://127.0.0.1" in out  # it printed how to call it
 

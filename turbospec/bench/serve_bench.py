@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -180,21 +181,45 @@ async def fetch_model_id(client: httpx.AsyncClient, base_url: str) -> str:
                            "is the server up? or pass --model") from None
 
 
+NOT_SENT = "not sent: the server had stopped answering"
+
+
+async def server_answers(client: httpx.AsyncClient, base_url: str) -> bool:
+    """Whether the server still answers GET /v1/models (any HTTP status: the process is there)."""
+    try:
+        await client.get(base_url + "/v1/models", timeout=METRICS_TIMEOUT_S)
+    except httpx.HTTPError:
+        return False
+    return True
+
+
 async def _send_all(client: httpx.AsyncClient, config: BenchConfig, model: str, prompts: Sequence[BenchPrompt],
-                    offsets: Sequence[float], desc: str) -> tuple[list[RequestRecord], float]:
-    """Send prompts[i] at offsets[i] s from now (held back by --max-concurrency); the records in prompt order
-    and the duration from the start to the last response."""
+                    offsets: Sequence[float], desc: str) -> tuple[list[RequestRecord], float, bool]:
+    """Send prompts[i] at offsets[i] s from now (held back by --max-concurrency); the records in prompt order,
+    the duration from the start to the last response, and whether the server stopped answering. When a
+    request loses its connection and /v1/models does not answer either, the server is gone: the requests not
+    sent yet are recorded as failed (NOT_SENT) at once instead of each waiting for its arrival time."""
     semaphore = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+    gone = asyncio.Event()
     bar = tqdm(total=len(prompts), desc=desc, unit="req")
     origin = time.perf_counter()
 
+    async def send_unless_gone(index: int, prompt: BenchPrompt) -> RequestRecord:
+        if gone.is_set():
+            return RequestRecord(index=index, prompt_id=prompt.id, error=NOT_SENT)
+        record = await send_request(client, config, model, prompt, index, origin)
+        if record.connection_lost and not gone.is_set() and not await server_answers(client, config.base_url):
+            gone.set()
+        return record
+
     async def one(index: int, prompt: BenchPrompt, offset: float) -> RequestRecord:
-        await asyncio.sleep(max(0.0, origin + offset - time.perf_counter()))
+        with contextlib.suppress(TimeoutError):  # the arrival time, or earlier when the server is gone
+            await asyncio.wait_for(gone.wait(), max(0.0, origin + offset - time.perf_counter()))
         if semaphore is None:
-            record = await send_request(client, config, model, prompt, index, origin)
+            record = await send_unless_gone(index, prompt)
         else:
             async with semaphore:
-                record = await send_request(client, config, model, prompt, index, origin)
+                record = await send_unless_gone(index, prompt)
         record.scheduled_s = float(offset)
         bar.update()
         return record
@@ -203,7 +228,7 @@ async def _send_all(client: httpx.AsyncClient, config: BenchConfig, model: str, 
         records = await asyncio.gather(*(one(i, p, o) for i, (p, o) in enumerate(zip(prompts, offsets))))
     finally:
         bar.close()
-    return list(records), time.perf_counter() - origin
+    return list(records), time.perf_counter() - origin, gone.is_set()
 
 
 async def _warm_up(client: httpx.AsyncClient, config: BenchConfig, model: str,
@@ -211,7 +236,7 @@ async def _warm_up(client: httpx.AsyncClient, config: BenchConfig, model: str,
     """Send config.warmup requests (the first prompts) at once and discard them; fail fast when all fail,
     since the measured run would fail the same way."""
     warm = cycle_prompts(prompts, config.warmup)
-    records, _ = await _send_all(client, config, model, warm, [0.0] * len(warm), "warmup")
+    records, _, _ = await _send_all(client, config, model, warm, [0.0] * len(warm), "warmup")
     failed = [r for r in records if not r.success]
     if len(failed) == len(records):
         raise RuntimeError(f"all {len(records)} warmup requests failed; first error: {failed[0].error}")
@@ -225,10 +250,10 @@ async def _run_rate(client: httpx.AsyncClient, config: BenchConfig, model: str, 
     before = await fetch_metrics(client, config.base_url)
     # The same seed at every rate: the arrival pattern is the same, scaled (see arrival_offsets).
     offsets = arrival_offsets(len(prompts), rate, config.burstiness, np.random.default_rng(config.seed))
-    records, duration = await _send_all(client, config, model, prompts, offsets, f"rate {rate_label(rate)}")
-    after = await fetch_metrics(client, config.base_url)
+    records, duration, gone = await _send_all(client, config, model, prompts, offsets, f"rate {rate_label(rate)}")
+    after = None if gone else await fetch_metrics(client, config.base_url)
     summary = {"request_rate": rate_json(rate), "burstiness": config.burstiness,
-               "max_concurrency": config.max_concurrency, "num_requests": len(records)}
+               "max_concurrency": config.max_concurrency, "num_requests": len(records), "server_gone": gone}
     summary |= rate_summary(records, duration, config.goodput)
     summary["speculation"] = speculation_stats(before, after) if before is not None and after is not None else None
     summary["requests"] = [asdict(r) for r in records]
@@ -238,8 +263,9 @@ async def _run_rate(client: httpx.AsyncClient, config: BenchConfig, model: str, 
 async def benchmark(config: BenchConfig, prompts: Sequence[BenchPrompt],
                     transport: httpx.AsyncBaseTransport | None = None) -> dict[str, Any]:
     """Run the benchmark: for each of config.request_rates, send one streamed request per prompt. Returns the
-    report as a JSON-ready dict, the content of PREFIX.json. Failed requests are in the report;
-    raises RuntimeError only when the model id cannot be listed or every warmup request fails.
+    report as a JSON-ready dict, the content of PREFIX.json. Failed requests are in the report; a server that
+    stops answering ends the run there, with the rates measured so far and `stopped` saying where.
+    Raises RuntimeError only when the model id cannot be listed or every warmup request fails.
     transport: an httpx transport to use instead of the network (tests, custom networking)."""
     if not prompts:
         raise ValueError("no prompts to send")
@@ -251,12 +277,20 @@ async def benchmark(config: BenchConfig, prompts: Sequence[BenchPrompt],
         model = config.model or await fetch_model_id(client, config.base_url)
         if config.warmup:
             await _warm_up(client, config, model, prompts)
-        rates = [await _run_rate(client, config, model, prompts, rate) for rate in config.request_rates]
+        rates, stopped = [], None
+        for rate in config.request_rates:
+            rates.append(await _run_rate(client, config, model, prompts, rate))
+            if rates[-1]["server_gone"]:
+                left = len(config.request_rates) - len(rates)
+                stopped = (f"the server stopped answering during rate {rate_label(rate)} req/s: "
+                           f"{rates[-1]['completed']} of {len(prompts)} requests completed there"
+                           + (f"; {left} later rate(s) not run" if left else ""))
+                break
     config_json = asdict(replace(config, model=model))
     config_json["request_rates"] = [rate_json(r) for r in config.request_rates]
     return {"label": config.label or model, "base_url": config.base_url, "model": model,
             "endpoint": config.endpoint, "dataset": config.dataset, "config": config_json,
-            "machine": machine_info(), "rates": rates}
+            "machine": machine_info(), "rates": rates, "stopped": stopped}
 
 
 def machine_info() -> dict[str, Any]:
@@ -282,5 +316,8 @@ def run(args: argparse.Namespace) -> int:
     print(markdown_report(result))
     if config.output:
         print("wrote " + ", ".join(str(p) for p in write_outputs(result, config.output)))
+    if result["stopped"]:
+        saved = f"; the partial results are in {config.output}.json" if config.output else ""
+        print(f"turbospec bench serve: error: {result['stopped']}{saved}", file=sys.stderr)
     failed = sum(r["failed"] for r in result["rates"])
     return 1 if failed else 0

@@ -80,6 +80,7 @@ class RequestRecord:
     output_tokens: int = 0
     output_tokens_from: str = "chunks"  # 'usage' (the server's count) or 'chunks' (text chunks counted)
     output_chars: int = 0
+    connection_lost: bool = False  # could not connect, or the stream broke off: the server may be gone
 
 
 @dataclass
@@ -181,6 +182,8 @@ async def send_request(client: httpx.AsyncClient, config: BenchConfig, model: st
         tracker.error = f"timed out after {config.timeout:g} s (--timeout)"
     except (httpx.HTTPError, ValueError) as exc:  # connection failures, malformed stream data
         tracker.error = f"{type(exc).__name__}: {exc}"
+        # a timeout is the server being slow, not gone; connect and read failures may mean it died
+        record.connection_lost = isinstance(exc, httpx.TransportError) and not isinstance(exc, httpx.TimeoutException)
     tracker.fill(record, time.perf_counter())
     return record
 

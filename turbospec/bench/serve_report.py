@@ -116,6 +116,8 @@ def markdown_report(result: dict[str, Any]) -> str:
     for r in result["rates"]:
         for error, count in r["errors"].items():
             lines.append(f"\nrate {rate_label(r['request_rate'])}: {count} failed: {error}")
+    if result.get("stopped"):  # .get: reports written before the field existed
+        lines.append(f"\n**Run stopped early:** {result['stopped']}.")
     return "\n".join(lines) + "\n"
 
 
