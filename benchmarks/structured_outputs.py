@@ -39,7 +39,8 @@ COST_SPECS: dict[str, dict[str, Any] | None] = {
     "n-gram k=4": {"method": "ngram", "num_speculative_tokens": 4},
     "draft 0.5B k=4": {"method": "draft", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4},
     "EAGLE k=4": {"method": "eagle", "num_speculative_tokens": 4},
-    "EAGLE, goodput controller": {"method": "eagle"},
+    "EAGLE under the controller": {"method": "eagle"},
+    "n-gram under the controller": {"method": "ngram"},
 }
 
 
@@ -117,10 +118,10 @@ def _parses(text: str) -> bool:
         return False
 
 
-def cost(model: str, threads: int, count: int, max_tokens: int) -> list[dict[str, Any]]:
+def cost(model: str, threads: int, count: int, max_tokens: int, proposers: list[str]) -> list[dict[str, Any]]:
     pairs = requests()[:: max(1, len(requests()) // count)][:count]  # a spread over the schemas
-    llms = {name: LLM(model, num_threads=threads, speculative_config=spec, progress=True)
-            for name, spec in COST_SPECS.items()}
+    llms = {name: LLM(model, num_threads=threads, speculative_config=COST_SPECS[name], progress=True)
+            for name in proposers}
     for llm in llms.values():  # warm-up: kernels, the vocabulary of the grammar library, the controller's profile
         run(llm, pairs[:1], True, 1, 8)
     rows = []
@@ -181,6 +182,8 @@ def main() -> None:
     ap.add_argument("--validity-requests", type=int, default=200, help="validity: the first N pairs")
     ap.add_argument("--validity-proposers", default=",".join(VALIDITY_SPECS),
                     help="validity: comma-separated rows, the first the reference (default %(default)s)")
+    ap.add_argument("--cost-proposers", default=",".join(COST_SPECS),
+                    help="cost: comma-separated rows; 'off' is the base of the speed-ups (default %(default)s)")
     ap.add_argument("--requests", type=int, default=16, help="cost: requests per row")
     ap.add_argument("--max-tokens", type=int, default=256, help="cost: output cap")
     ap.add_argument("--validity-max-tokens", type=int, default=1024,
@@ -194,12 +197,16 @@ def main() -> None:
     unknown = [p for p in proposers if p not in VALIDITY_SPECS]
     if unknown:
         ap.error(f"--validity-proposers: unknown {unknown}; known: {', '.join(VALIDITY_SPECS)}")
+    cost_proposers = [p.strip() for p in args.cost_proposers.split(",")]
+    unknown = [p for p in cost_proposers if p not in COST_SPECS]
+    if unknown or "off" not in cost_proposers:
+        ap.error(f"--cost-proposers: unknown {unknown} or 'off' missing; known: {', '.join(COST_SPECS)}")
     rows: list[dict[str, Any]] = []
     if args.skip != "validity":
         rows += validity(args.validity_model, args.threads, args.batch, args.validity_max_tokens,
                          args.validity_requests, proposers)
     if args.skip != "cost":
-        rows += cost(args.model, args.threads, args.requests, args.max_tokens)
+        rows += cost(args.model, args.threads, args.requests, args.max_tokens, cost_proposers)
     meta = benchmark_meta(args.threads, validity_model=args.validity_model, model=args.model)
     name = {"cost": "structured_outputs_validity", "validity": "structured_outputs_cost"}.get(args.skip or "")
     save(args.out or default_out("structured_outputs", name), meta, rows, markdown(meta, rows))

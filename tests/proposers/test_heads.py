@@ -239,11 +239,17 @@ def test_eagle_proposer_keeps_a_window_of_the_emitted_tokens_features(plain):
     proposer.observe_hidden(req, feats[:1], [11], req.num_tokens - 5)  # after the prompt: one entry
     proposer.observe_hidden(req, feats[1:], [12, 13, 14, 15, 16], req.num_tokens)  # five more: the window keeps 4
     assert [t for _, t in proposer.window[rid]] == [13, 14, 15, 16]
-    torch.testing.assert_close(proposer.window[rid][-1][0], draft.fuse(feats[5]))
+    assert proposer.unfused[rid] == 4  # kept as features until the request drafts
+    [window] = proposer.windows([rid])
+    torch.testing.assert_close(torch.stack([state for state, _ in window]), draft.fuse(feats[2:]))
+    assert proposer.unfused[rid] == 0
     draft_out = proposer.propose([req], [5])[0]
     assert draft_out.tree is not None and len(draft_out.tree) == 5 and max(draft_out.tree.depth) <= 3
+    proposer.observe_hidden(req, feats[:1], [17], req.num_tokens + 1)  # one more: only it is fused next time
+    [window] = proposer.windows([rid])
+    torch.testing.assert_close(torch.stack([state for state, _ in window]), draft.fuse(feats[[3, 4, 5, 0]]))
     proposer.observe_hidden(req, feats[:2], [1, 2], req.num_tokens + 7)  # a gap: the window starts afresh
-    assert [t for _, t in proposer.window[rid]] == [1, 2]
+    assert [t for _, t in proposer.window[rid]] == [1, 2] and proposer.unfused[rid] == 2
     engine.abort_request(rid)
 
 

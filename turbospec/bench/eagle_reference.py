@@ -20,7 +20,7 @@ class RecomputingEagleProposer(EagleProposer):
             while n >= 0:
                 path.append((trees[i][n].state, trees[i][n].token))
                 n = trees[i][n].parent
-            seqs.append(list(self.window[requests[i].request_id]) + path[::-1])
+            seqs.append(self.windows([requests[i].request_id])[0] + path[::-1])
         states, tokens, valid = self._batch(seqs)
         out = self.draft(states, tokens, window_mask(valid))[0][:, -1]
         return (*self._top(self.draft.logits(out), self.draft.vocab), out)

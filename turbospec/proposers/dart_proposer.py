@@ -54,7 +54,7 @@ class DartProposer(EagleProposer):
 
     def _draft_positions(self, requests: list[Request], live: list[int]) -> None:
         """One draft pass for these requests: the best `candidates` tokens at every position ahead."""
-        states, tokens, valid = self._batch([list(self.window[requests[i].request_id]) for i in live])
+        states, tokens, valid = self._batch(self.windows([requests[i].request_id for i in live]))
         log_p = self.draft.logits(self.dart(states, tokens, valid)).float().log_softmax(-1)  # [R, d, Vd]
         top_lp, top_ix = log_p.topk(min(self.candidates, log_p.shape[-1]), dim=-1)
         self.position_top = {i: (top_lp[r], self.draft.vocab[top_ix[r]]) for r, i in enumerate(live)}
