@@ -1,9 +1,9 @@
 """Structured outputs: 200 JSON-schema requests with every proposer, and what the grammar costs.
 
 Validity (--validity-model, float32 so greedy ties do not move with the batch): the 200 (schema, prompt) pairs of
-data/json_schemas.py, chat template, greedy, max_tokens 256, in batches of --batch; for no speculation, n-gram, a
-draft model and EAGLE: answers that parse, that validate with `jsonschema`, and how many are token for token those
-of no speculation.
+data/json_schemas.py, chat template, greedy, --validity-max-tokens, in batches of --batch; for no speculation,
+n-gram, a draft model and EAGLE: answers that parse, that validate with `jsonschema` (numbers read as decimals, so
+multipleOf is exact), and how many are token for token those of no speculation.
 
 Cost (--model, its default weights): --requests of the pairs, one at a time and 16 at once, each proposer with and
 without the schema (the same prompts): tok/s, the grammar's share of the run's wall time (masks for every
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from decimal import Decimal
 from typing import Any
 
 import jsonschema
@@ -57,6 +58,12 @@ def spec_for(spec: dict[str, Any] | None, model: str) -> dict[str, Any] | None:
     return None if spec is None else {k: (v.format(model=model) if isinstance(v, str) else v) for k, v in spec.items()}
 
 
+def exact_validator(case: SchemaCase) -> jsonschema.Draft202012Validator:
+    """A validator whose numbers are decimals, for answers parsed with parse_float=Decimal: with floats,
+    jsonschema's multipleOf 0.01 refuses one cent value in nine (0.07 / 0.01 = 7.000000000000001)."""
+    return jsonschema.Draft202012Validator(json.loads(json.dumps(case.schema), parse_float=Decimal))
+
+
 def validity(model: str, threads: int, batch: int, max_tokens: int, count: int,
              proposers: list[str]) -> list[dict[str, Any]]:
     pairs = requests()[:count]
@@ -71,13 +78,18 @@ def validity(model: str, threads: int, batch: int, max_tokens: int, count: int,
                              use_tqdm=False)
         seconds = time.perf_counter() - start
         parsed = valid = 0
+        invalid: list[dict[str, str]] = []
         for (case, _), out in zip(pairs, outs):
+            text = out.outputs[0].text
             try:
-                value = json.loads(out.outputs[0].text)
+                value = json.loads(text, parse_float=Decimal)
             except json.JSONDecodeError:
                 continue
             parsed += 1
-            valid += jsonschema.Draft202012Validator(case.schema).is_valid(value)
+            if exact_validator(case).is_valid(value):
+                valid += 1
+            else:
+                invalid.append({"schema": case.name, "text": text})
         tokens = [o.outputs[0].token_ids for o in outs]
         reference = reference or tokens
         s = llm.spec_stats()
@@ -87,7 +99,8 @@ def validity(model: str, threads: int, batch: int, max_tokens: int, count: int,
                      "tokens": sum(map(len, tokens)), "seconds": seconds, "tau": stats.tau(s),
                      "grammar_cuts": s["num_grammar_cuts"], "forced_tokens": s["num_forced_tokens"],
                      "max_tokens": max_tokens, "cut_by_max_tokens": sorted({c.name for (c, _), o in zip(pairs, outs)
-                                                                            if o.outputs[0].finish_reason == "length"})})
+                                                                            if o.outputs[0].finish_reason == "length"}),
+                     "invalid": invalid})
         del llm
     return rows
 
@@ -159,6 +172,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                     for r in rows if r["part"] == "validity"])
     lines += [f"\n{r['proposer']}: cut by the cap: {', '.join(r['cut_by_max_tokens'])}"
               for r in rows if r["part"] == "validity" and r.get("cut_by_max_tokens")]
+    lines += [f"\n{r['proposer']}: parsed but invalid: {', '.join(sorted(i['schema'] for i in r['invalid']))}"
+              for r in rows if r["part"] == "validity" and r.get("invalid")]
     cost_rows = [r for r in rows if r["part"] == "cost"]
     if not cost_rows:
         return "\n".join(lines) + "\n"
