@@ -57,6 +57,8 @@ AVX2 = "-avx2"
 ROW_ENV = {NO_AMX: ("TURBOSPEC_NO_AMX", "1"), NO_DPBF16: ("TURBOSPEC_NO_DPBF16", "1"),
            NO_FUSED: ("TURBOSPEC_NO_FUSED_LAYERS", "1"), AVX2: ("TURBOSPEC_CPU_PATH", "avx2")}
 CONCURRENT = ("llama.cpp-16", "turbospec-auto-16", "turbospec-adaptive-16")
+# plain rows whose decode step is also profiled: products, other operators, Python and dispatch
+PROFILED = ("turbospec-auto", "turbospec-auto-q8act", "turbospec-auto-avx2", "turbospec-auto-q8act-avx2")
 
 
 Q8ACT = "-q8act"  # rows with the packed products' activations in int8 (weight format auto-q8act)
@@ -297,9 +299,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     weights = [(r["row"], r["weights"]) for r in rows if r.get("weights")]
     if weights:
         lines += ["", "Weights kept (load log):", ""] + [f"- {row}: {w}" for row, w in weights]
-    prof = next((r["profile"] for r in rows if r.get("profile")), None)
-    if prof:
-        lines += ["", "Where a plain decode step goes (turbospec-auto, torch profiler, self CPU time):", "",
+    for row, prof in ((r["row"], r["profile"]) for r in rows if r.get("profile")):
+        lines += ["", f"Where a plain decode step goes ({row}, torch profiler, self CPU time):", "",
                   f"- step {prof['step_ms']:.1f} ms ({prof['profiled_ms']:.1f} ms profiled): weight products "
                   f"{prof['products_ms']:.1f} ms, other operators {prof['other_ops_ms']:.1f} ms, Python and dispatch "
                   f"between operators {prof['python_ms']:.1f} ms ({100 * prof['python_share']:.0f}% of the profiled step)",
@@ -360,7 +361,7 @@ def main() -> None:
         for row in tqdm(rows_wanted, desc="rows", unit="row"):
             if row in done:
                 continue
-            row_job = {**job, "row": row, "profile": row == "turbospec-auto"}
+            row_job = {**job, "row": row, "profile": row in PROFILED}
             if row.startswith("llama.cpp"):
                 python = args.llamacpp_avx2_python if row.endswith(AVX2) else args.llamacpp_python
                 result = run_llama_cpp(row_job, python, tmp)

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType, quants
 from turbospec import LLM, SamplingParams, kernels
 from turbospec.config import EngineConfig
 from turbospec.models import gguf_blocks
-from turbospec.models.crossover import GEMM_ROWS, CrossoverCache, crossover_rows, gemm_crossover
+from turbospec.models.crossover import GEMM_ROWS, ROWS, CrossoverCache, crossover_rows, gemm_crossover
 from turbospec.models.layers import RowLinear
 from turbospec.models.loader import load_model
 from turbospec.models.packed import PackedWeight, pack
@@ -270,11 +270,19 @@ def test_crossover_is_the_last_row_count_of_an_unbroken_win():
     assert crossover_rows({1: (3.0, 2.0), 2: (1.0, 2.0)}) == 0  # losing at one row: never packed
 
 
-def test_prefill_sizes_run_packed_only_where_packed_won_at_all_of_them():
+def test_prefill_sizes_run_packed_from_where_packed_won_at_every_larger_one():
     win, lose = (1.0, 2.0), (3.0, 2.0)
-    assert gemm_crossover({64: win, 128: win, 256: win}) == GEMM_ROWS[0]
-    assert gemm_crossover({64: win, 128: lose}) == 0  # measuring stopped at the loss
+    assert GEMM_ROWS == (48, 64, 128, 256)
+    assert gemm_crossover({48: win, 64: win, 128: win, 256: win}) == 48
+    assert gemm_crossover({48: lose, 64: win, 128: win, 256: win}) == 64
+    assert gemm_crossover({128: lose, 256: win}) == 256  # measured largest first: stopped at the loss
+    assert gemm_crossover({256: lose}) == 0
     assert gemm_crossover({1: win, 32: win}) == 0  # never measured at prefill sizes
+    # packed won at every decode count and every prefill size: no dense gap between them
+    decode = {r: win for r in ROWS}
+    assert gemm_crossover({**decode, 48: win, 64: win, 128: win, 256: win}) == ROWS[-1] + 1
+    assert gemm_crossover({**decode, 32: lose, 48: win, 64: win, 128: win, 256: win}) == 48
+    assert gemm_crossover({**decode, 48: lose, 64: win, 128: win, 256: win}) == 64
     packed = PackedWeight([], max_rows=12, gemm_rows=64)
     assert [r for r in (1, 12, 13, 63, 64, 500) if packed.runs_packed(r)] == [1, 12, 64, 500]
     assert not PackedWeight([], max_rows=12).runs_packed(500)
@@ -286,14 +294,14 @@ def test_two_processes_saving_crossovers_keep_each_others_entries(tmp_path):
     path = tmp_path / "crossover.json"
     path.write_text(json.dumps({"a": {"rows": 1}}))  # an entry from an older format: both re-measure it
     first, second = CrossoverCache(path), CrossoverCache(path)  # both opened before either saved
-    first.data["a"] = {"rows": 4, "gemm_rows": 0, "ms": {}}
+    first.data["a"] = {"rows": 4, "packed_from": 0, "ms": {}}
     first.measured.add("a")
-    second.data["b"] = {"rows": 6, "gemm_rows": 0, "ms": {}}
+    second.data["b"] = {"rows": 6, "packed_from": 0, "ms": {}}
     second.measured.add("b")
     first.save()
     second.save()  # its stale copy of "a" must not overwrite what the first measured
-    assert CrossoverCache(path).data == {"a": {"rows": 4, "gemm_rows": 0, "ms": {}},
-                                         "b": {"rows": 6, "gemm_rows": 0, "ms": {}}}
+    assert CrossoverCache(path).data == {"a": {"rows": 4, "packed_from": 0, "ms": {}},
+                                         "b": {"rows": 6, "packed_from": 0, "ms": {}}}
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "Q5_0"])

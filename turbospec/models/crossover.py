@@ -3,9 +3,12 @@
 For each packed signature (kinds and shapes of its parts) we time the packed product and the dense one on
 the same random activations for 1..32 rows, and keep the largest row count up to which packed was faster
 at every count. Nothing is hard-coded: on a CPU where the int4 kernel loses even at one row, the crossover
-is 0 and the linear runs dense. Then the prefill sizes (64, 128, 256 rows): where packed wins at all of them
-(our AMX kernel expands the weights once per call and runs a GEMM: it reads a quarter of the bytes; the prefill
-column of results/weight_formats/weight_formats.md), calls from 64 rows on run packed too.
+is 0 and the linear runs dense. Then the prefill sizes (48, 64, 128, 256 rows), largest first: calls from the
+smallest size from which packed won at every larger one run packed too (our AMX kernel expands the weights once
+per call and runs a GEMM: it reads a quarter of the bytes; on CPUs without AMX the dense bf16 matmul is the slow
+side). Where packed won at every decode count and every prefill size, the counts between (33..47) run packed as
+well: a chat prompt is often that long, and on 2 cores without AVX-512 the dense product costs several times
+the packed one there (Zen 4 run as AVX2, 17920x1536 at 32 rows: 40 ms dense, 5.8 ms packed with int8 activations).
 Measured once per (signature, dtype, threads, hardware, torch); a 1.5B model's six signatures take a few seconds.
 """
 
@@ -22,7 +25,7 @@ from .layers import row_linear
 from .packed import PackedWeight
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)  # decode and verification
-GEMM_ROWS = (64, 128, 256)  # prefill chunks
+GEMM_ROWS = (48, 64, 128, 256)  # prefill chunks (48: a short chat prompt)
 
 
 @dataclass(frozen=True)
@@ -59,9 +62,17 @@ def crossover_rows(timings: dict[int, tuple[float, float]]) -> int:
 
 
 def gemm_crossover(timings: dict[int, tuple[float, float]]) -> int:
-    """GEMM_ROWS[0] when packed won at every prefill size measured (all of them), else 0."""
-    won = all(r in timings and timings[r][0] < timings[r][1] for r in GEMM_ROWS)
-    return GEMM_ROWS[0] if won else 0
+    """The row count from which calls run packed again: the smallest prefill size from which packed won at every
+    larger one (0: it lost at the largest, or none was measured); the first row count above the decode sizes
+    when packed also won at all of those (no dense gap between decode and prefill)."""
+    start = 0
+    for rows in reversed(GEMM_ROWS):
+        if rows not in timings or timings[rows][0] >= timings[rows][1]:
+            break
+        start = rows
+    if start == GEMM_ROWS[0] and crossover_rows({r: t for r, t in timings.items() if r in ROWS}) == ROWS[-1]:
+        return ROWS[-1] + 1
+    return start
 
 
 class CrossoverCache:
@@ -77,15 +88,15 @@ class CrossoverCache:
 
     def get(self, packed: PackedWeight, dense: torch.Tensor) -> Crossover:
         entry = self.data.get(packed.signature)
-        if entry is None or "gemm_rows" not in entry:  # (files from before the prefill sizes were measured)
+        if entry is None or "packed_from" not in entry:  # (files from before the 48-row prefill size)
             timings = measure(packed, dense)
-            # one loss ends it: packed runs prefill sizes only where it wins at all of them
-            timings.update(measure(packed, dense, GEMM_ROWS, repeats=3, max_losses=1))
+            # largest first, one loss ends it: packed runs the prefill sizes from which it wins at every larger one
+            timings.update(measure(packed, dense, GEMM_ROWS[::-1], repeats=3, max_losses=1))
             entry = {"rows": crossover_rows({r: t for r, t in timings.items() if r in ROWS}),
-                     "gemm_rows": gemm_crossover(timings), "ms": {str(r): list(t) for r, t in timings.items()}}
+                     "packed_from": gemm_crossover(timings), "ms": {str(r): list(t) for r, t in timings.items()}}
             self.data[packed.signature] = entry
             self.measured.add(packed.signature)
-        return Crossover(int(entry["rows"]), int(entry["gemm_rows"]))
+        return Crossover(int(entry["rows"]), int(entry["packed_from"]))
 
     def save(self) -> None:
         if not self.measured:

@@ -45,7 +45,7 @@ from .. import kernels
 from ..config import WEIGHT_FORMATS
 from ..host import replace_atomically
 from . import gguf_blocks
-from .crossover import GEMM_ROWS, CrossoverCache, cache_path
+from .crossover import CrossoverCache, cache_path
 from .gguf_loader import _unpermute_rope, hf_name, open_reader, read_metadata
 from .llama import CausalLM
 from .packed import PackedWeight, load_parts, pack, save_parts
@@ -71,6 +71,7 @@ class WeightReport:
     dense_bytes: int = 0  # every dense weight kept (embeddings, norms, dense copies)
     crossover: dict[str, int] = field(default_factory=dict)  # signature -> rows run packed
     prefill_packed: int = 0  # linears whose prefill-sized calls run packed too (crossover.GEMM_ROWS)
+    packed_from: set[int] = field(default_factory=set)  # ... from these row counts on
     kept_dense: dict[str, str] = field(default_factory=dict)  # target -> why it has no packed form
     requantized: bool = False  # wider types rounded to 4 bits (a draft model's choice; gguf_blocks.requantize_int4)
 
@@ -81,8 +82,8 @@ class WeightReport:
                 f"{self.packed_linears} linears packed ({kinds} parts, "
                 f"{self.packed_bytes / 2**20:.0f} MiB), {self.dense_only_linears} dense only; dense weights kept "
                 f"{self.dense_bytes / 2**20:.0f} MiB; packed for calls of up to {rows} rows"
-                + (f" and, for {self.prefill_packed} linears, of {GEMM_ROWS[0]} rows or more" if self.prefill_packed
-                   else ""))
+                + (f" and, for {self.prefill_packed} linears, of {'/'.join(map(str, sorted(self.packed_from)))} rows "
+                   "or more" if self.prefill_packed else ""))
 
 
 Q8_ACT = "auto-q8act"
@@ -228,6 +229,7 @@ def _pack_from_gguf(net: CausalLM, gguf: Path, fmt: str, dtype: torch.dtype, rep
             packed.max_rows, packed.gemm_rows = cross.max_rows, cross.gemm_rows
             report.crossover[packed.signature] = packed.max_rows
             report.prefill_packed += bool(packed.gemm_rows)
+            report.packed_from.update({packed.gemm_rows} - {0})
         if packed.max_rows == 0 and packed.gemm_rows == 0 and not packed_only:  # never faster here: keep the memory
             report.kept_dense[name] = "packed kernel slower than dense at every row count on this machine"
             report.dense_only_linears += 1
