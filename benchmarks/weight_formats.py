@@ -242,9 +242,10 @@ def build_job(args: argparse.Namespace) -> dict[str, Any]:
     from turbospec.models.loader import load_model
 
     tok = load_model(args.model, "bfloat16", progress=False, weight_format="bf16").tokenizer
-    mt = [tok.apply_chat_template([{"role": "user", "content": p.text}]) for p in load_mtbench(8)]
+    count = max(args.prompts, 8)  # the 16 concurrent requests take 8 of each
+    mt = [tok.apply_chat_template([{"role": "user", "content": p.text}]) for p in load_mtbench(count)]
     he = [tok.apply_chat_template(humaneval_messages(t)) + tok.encode(answer_prefix(t), add_special_tokens=False)
-          for t in load_humaneval(8)]
+          for t in load_humaneval(count)]
     return {"model": args.model, "max_tokens": args.max_tokens, "threads": args.threads,
             "sets": {"mt-bench": mt[:args.prompts], "humaneval": he[:args.prompts]},
             "concurrent": [p for pair in zip(mt, he) for p in pair][:16], "eos": list(tok.eos_token_ids)}
@@ -347,6 +348,8 @@ def main() -> None:
     args = p.parse_args()
     if args.job:
         return child(args)
+    if args.prompts < 1 or args.max_tokens < 1:
+        p.error(f"--prompts {args.prompts} --max-tokens {args.max_tokens}: both must be at least 1")
     rows_wanted = args.rows.split(",")
     unknown = set(rows_wanted) - set(SINGLE + CONCURRENT)
     if unknown:
