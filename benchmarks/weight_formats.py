@@ -319,7 +319,7 @@ def agreement_lines(rows: list[dict[str, Any]]) -> list[str]:
     by_name = {r["row"]: r for r in rows}
     lines = []
     for r in rows:
-        base = by_name.get(r["row"].removesuffix(Q8ACT)) if r["row"].endswith(Q8ACT) else None
+        base = by_name.get(r["row"].replace(Q8ACT, "", 1)) if Q8ACT in r["row"] else None  # (…-q8act-avx2 too)
         if base is None or "concurrent-16" in r["sets"]:
             continue
         pairs = [(a, b) for n in ("mt-bench", "humaneval") for a, b in zip(r["sets"][n]["outputs"],
