@@ -59,6 +59,8 @@ def free_port() -> int:
 def targets(args: argparse.Namespace, port: int) -> list[Target]:
     serve = [TURBOSPEC, "serve", "--model", args.model, "--port", str(port), "--num-threads", str(args.threads),
              "--speculative-config", json.dumps({"method": "ngram"}), "--log-level", "warning"]
+    if args.weight_format:
+        serve += ["--weight-format", args.weight_format]
     out = [Target("turbospec (adaptive n-gram)", serve),
            Target("turbospec (no speculation)", serve, {"speculation": False})]
     if args.llamacpp_python:
@@ -204,6 +206,9 @@ def main() -> int:
     p.add_argument("--llamacpp-python", default=None, help="a Python with llama-cpp-python[server] installed")
     p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (built as the docstring says)")
     p.add_argument("--parallel", type=int, default=16, help="llama-server's slots (default %(default)s)")
+    p.add_argument("--weight-format", default=None,
+                   help="turbospec's --weight-format (default: serve's own, auto; auto-q8act quantises activations "
+                        "to int8 as llama.cpp does)")
     p.add_argument("--concurrency", default=None,
                    help="closed-loop points instead of rates: requests in flight, e.g. 1,4,16")
     p.add_argument("--output", default="benchmarks/results/serve_compare/serve_compare")
