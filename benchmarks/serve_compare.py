@@ -165,7 +165,11 @@ def table(runs: list[dict[str, Any]]) -> list[str]:
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # (the tables are written; `make bench-setup` installs it)
+        print(f"note: matplotlib is not installed, {path.name} not drawn (pip install matplotlib)")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
