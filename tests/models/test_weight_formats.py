@@ -273,16 +273,17 @@ def test_crossover_is_the_last_row_count_of_an_unbroken_win():
 def test_prefill_sizes_run_packed_from_where_packed_won_at_every_larger_one():
     win, lose = (1.0, 2.0), (3.0, 2.0)
     assert GEMM_ROWS == (48, 64, 128, 256)
-    assert gemm_crossover({48: win, 64: win, 128: win, 256: win}) == 48
-    assert gemm_crossover({48: lose, 64: win, 128: win, 256: win}) == 64
-    assert gemm_crossover({128: lose, 256: win}) == 256  # measured largest first: stopped at the loss
-    assert gemm_crossover({256: lose}) == 0
-    assert gemm_crossover({1: win, 32: win}) == 0  # never measured at prefill sizes
-    # packed won at every decode count and every prefill size: no dense gap between them
+    prefill = {48: win, 64: win, 128: win, 256: win}
+    assert gemm_crossover(prefill, 12) == 48
+    assert gemm_crossover({**prefill, 48: lose}, 12) == 64
+    assert gemm_crossover({128: lose, 256: win}, 12) == 256  # measured largest first: stopped at the loss
+    assert gemm_crossover({256: lose}, 12) == 0
+    assert gemm_crossover({1: win, 32: win}, 32) == 0  # never measured at prefill sizes
+    # packed won at every decode count (crossover_rows says the last one) and every prefill size: no dense gap
     decode = {r: win for r in ROWS}
-    assert gemm_crossover({**decode, 48: win, 64: win, 128: win, 256: win}) == ROWS[-1] + 1
-    assert gemm_crossover({**decode, 32: lose, 48: win, 64: win, 128: win, 256: win}) == 48
-    assert gemm_crossover({**decode, 48: lose, 64: win, 128: win, 256: win}) == 64
+    assert gemm_crossover({**decode, **prefill}, crossover_rows(decode)) == ROWS[-1] + 1
+    assert gemm_crossover({**decode, **prefill}, crossover_rows({**decode, 32: lose})) == 48
+    assert gemm_crossover({**decode, **prefill, 48: lose}, ROWS[-1]) == 64
     packed = PackedWeight([], max_rows=12, gemm_rows=64)
     assert [r for r in (1, 12, 13, 63, 64, 500) if packed.runs_packed(r)] == [1, 12, 64, 500]
     assert not PackedWeight([], max_rows=12).runs_packed(500)

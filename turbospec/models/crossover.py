@@ -8,7 +8,8 @@ smallest size from which packed won at every larger one run packed too (our AMX 
 per call and runs a GEMM: it reads a quarter of the bytes; on CPUs without AMX the dense bf16 matmul is the slow
 side). Where packed won at every decode count and every prefill size, the counts between (33..47) run packed as
 well: a chat prompt is often that long, and on 2 cores without AVX-512 the dense product costs several times
-the packed one there (Zen 4 run as AVX2, 17920x1536 at 32 rows: 40 ms dense, 5.8 ms packed with int8 activations).
+the packed one there (results/packed_kernels/packed_kernels_zen4_avx2.md: the 17920 x 1536 gate|up at 16 rows
+20.8 ms dense, 2.9 ms packed with int8 activations).
 Measured once per (signature, dtype, threads, hardware, torch); a 1.5B model's six signatures take a few seconds.
 """
 
@@ -61,16 +62,17 @@ def crossover_rows(timings: dict[int, tuple[float, float]]) -> int:
     return best
 
 
-def gemm_crossover(timings: dict[int, tuple[float, float]]) -> int:
+def gemm_crossover(timings: dict[int, tuple[float, float]], decode_rows: int) -> int:
     """The row count from which calls run packed again: the smallest prefill size from which packed won at every
     larger one (0: it lost at the largest, or none was measured); the first row count above the decode sizes
-    when packed also won at all of those (no dense gap between decode and prefill)."""
+    when packed also won at all of those (decode_rows, crossover_rows' answer, is the last of them: no dense gap
+    between decode and prefill)."""
     start = 0
     for rows in reversed(GEMM_ROWS):
         if rows not in timings or timings[rows][0] >= timings[rows][1]:
             break
         start = rows
-    if start == GEMM_ROWS[0] and crossover_rows({r: t for r, t in timings.items() if r in ROWS}) == ROWS[-1]:
+    if start == GEMM_ROWS[0] and decode_rows == ROWS[-1]:
         return ROWS[-1] + 1
     return start
 
@@ -92,8 +94,9 @@ class CrossoverCache:
             timings = measure(packed, dense)
             # largest first, one loss ends it: packed runs the prefill sizes from which it wins at every larger one
             timings.update(measure(packed, dense, GEMM_ROWS[::-1], repeats=3, max_losses=1))
-            entry = {"rows": crossover_rows({r: t for r, t in timings.items() if r in ROWS}),
-                     "packed_from": gemm_crossover(timings), "ms": {str(r): list(t) for r, t in timings.items()}}
+            rows = crossover_rows({r: t for r, t in timings.items() if r in ROWS})
+            entry = {"rows": rows, "packed_from": gemm_crossover(timings, rows),
+                     "ms": {str(r): list(t) for r, t in timings.items()}}
             self.data[packed.signature] = entry
             self.measured.add(packed.signature)
         return Crossover(int(entry["rows"]), int(entry["packed_from"]))
