@@ -216,6 +216,25 @@ def test_the_profile_measures_the_ks_in_turn_after_an_unrecorded_round(monkeypat
     assert decodes == [0, 2, 4, 0, 2, 4]
 
 
+def test_a_profile_fits_an_engine_with_just_the_positions_its_steps_take(monkeypatch):
+    """Acceptance is synthetic and 0 while profiling, so a request grows one token per step: a grid point needs its
+    prompt, its steps and one draft's slots, not k + 1 tokens a step (which refused a k = "auto" engine with
+    max_model_len 256 on a machine with no cached profile). Every k is still measured whole, none cut short by
+    the engine's length limit."""
+    from turbospec.tuning import profiler
+    from turbospec.tuning.profiler import ProfileGrid, profile_engine
+
+    monkeypatch.setattr(profiler, "DISTURBED", float("inf"))
+    # 32 prompt tokens + (2 ks x 3 rounds + 4) steps + 4 draft slots + 1
+    llm = _llm(speculative_config={"method": "ngram", "num_speculative_tokens": 4}, max_model_len=47)
+    samples = profile_engine(llm.engine, ProfileGrid((1,), (32,), (0, 4), 2), progress=False)
+    decodes = [s.features.spec_tokens for s in samples
+               if s.features.tokens == s.features.batch + s.features.spec_tokens]
+    assert decodes == [0, 4, 0, 4]
+    with pytest.raises(ValueError, match="no profile grid point fits"):
+        profile_engine(llm.engine, ProfileGrid((1,), (33,), (0, 4), 2), progress=False)
+
+
 def test_a_profile_drops_the_steps_another_process_disturbed():
     """Per grid point and k, a round more than 1.25x slower than the fastest is dropped; ordinary jitter and
     every other k's rounds stay, in measuring order. A disturbed k = 0 must not make drafts look cheap, nor a

@@ -182,11 +182,7 @@ SMALL = {"dtype": "float32", "num_threads": 1, "progress": False, "max_model_len
 
 def _llm(acceptance: str, k: int | str = 4) -> LLM:
     spec = {"method": "draft", "model": MODEL, "num_speculative_tokens": k, "acceptance": acceptance}
-    # "auto" gives the engine its controller, which measures a brief step-time profile where none is cached: its
-    # grid's sequences (decode rounds for every k up to 8) need more than SMALL's 256 positions, and whether another
-    # test had cached one first depended on the order the workers ran the files in
-    small = {**SMALL, "max_model_len": 512} if k == "auto" else SMALL
-    llm = LLM(MODEL, **small, enable_prefix_caching=False, speculative_config=spec)
+    llm = LLM(MODEL, **SMALL, enable_prefix_caching=False, speculative_config=spec)
     # The draft is the target with noise on two layers: same vocabulary, and it disagrees often
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():

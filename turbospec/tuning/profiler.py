@@ -130,13 +130,16 @@ def profile_ks(engine: LLMEngine, grid: ProfileGrid) -> tuple[int, ...]:
 
 
 def _grid_points(engine: LLMEngine, grid: ProfileGrid, ks: tuple[int, ...]) -> list[tuple[int, int]]:
-    """(context, batch) pairs that fit the engine's limits."""
+    """(context, batch) pairs that fit the engine's limits. Acceptance is synthetic and 0, so a request grows one
+    token per step (its prefill's included) and its last step needs k_max slots beyond that; a few steps spare.
+    Counting k_max + 1 tokens a step instead asked the brief grid for ~380 positions, so a user's k = "auto" engine
+    with max_model_len 256 could not be profiled at all."""
     k_max = max(ks)
     steps = len(ks) * (grid.repeats + 1) + 4
     points = []
     for ctx in grid.contexts:
         for b in grid.batch_sizes:
-            lengths = [n + steps * (k_max + 1) + 2 for n in prompt_lengths(ctx, b)]
+            lengths = [n + steps + k_max + 1 for n in prompt_lengths(ctx, b)]
             blocks = sum(-(-n // engine.config.block_size) for n in lengths)
             if max(lengths) <= engine.max_model_len and b <= engine.config.max_num_seqs and \
                     blocks <= engine.kv.num_blocks:
