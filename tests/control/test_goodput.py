@@ -588,3 +588,28 @@ def test_activation_cost_enters_the_search_once_per_request():
     free = choose_lengths([flat(0.9), flat(0.9)], [4, 4], cost)
     charged = choose_lengths([flat(0.9), flat(0.9)], [4, 4], cost, activation=[0.0, 10.0])
     assert free.ks == [4, 4] and charged.ks == [4, 0]
+
+
+def test_drafts_beside_a_prefill_chunk_are_weighed_against_the_decodes_time_alone():
+    """A prompt chunk in the step runs whatever the drafts. Counted in the time the decodes' tokens are divided
+    by, it made drafts look cheap: qwen2.5-coder-1.5b with its 0.5B draft drafted k = 6-7 for ten requests beside
+    a 256-token chunk and ran 1.2x slower than no speculation. Beside a chunk the controller now chooses what it
+    chooses for the decodes alone, whether drafting pays there or not."""
+    from turbospec.control.controller import base_step
+
+    contexts = [200, 210, 220, 230]
+    decodes, _ = base_step(contexts, [], 512)
+    beside, spare = base_step(contexts, [(0, 256)], 512)
+    assert beside.tokens == 4 + 256 and spare > 0
+    for per_token, drafts in ((0.01, False), (0.0005, True)):
+        model = StepTimeModel({"target": LinearPart(("one", "tokens"), (0.05, per_token)),
+                               "draft": LinearPart(("draft_steps",), (0.02,)),
+                               "overhead": LinearPart()}, refit_every=10**9)
+        cands = [Candidate(f"r{i}", 8, c) for i, c in enumerate(contexts)]
+        alone = GoodputController(model, RequestBeta(prior=0.6)).choose(cands, decodes, spare)
+        ks = GoodputController(model, RequestBeta(prior=0.6)).choose(cands, beside, spare)
+        assert ks == alone and any(ks) == drafts, (per_token, ks, alone)
+        # the step's whole time as the denominator chose drafts in both cases
+        naive = choose_lengths([RequestBeta(prior=0.6).rates(c.request_id, 8) for c in cands], [8] * 4,
+                               model.spec_cost(beside), contexts, min_gain=0.1, max_total=spare, search_depth=True)
+        assert any(naive.ks)
