@@ -9,9 +9,14 @@ rates differ only in scale). Time is a virtual clock: real time, plus the idle t
 has nothing to do and the next arrival is still in the future. An idle engine does not change while it
 waits, so latencies (queueing included) are exact, and light load costs no wall time.
 
-Workloads:
+Workloads (WORKLOADS):
 - a: smollm2-135m with the n-gram proposer; prompts alternate ShareGPT first turns and HumanEval.
 - b: qwen2.5-coder-1.5b with the draft model qwen2.5-coder-0.5b; HumanEval prompts.
+- c: qwen2.5-coder-1.5b with the committed EAGLE head (trees; k is the number of nodes verified); HumanEval.
+- d: qwen2.5-coder-1.5b with the 0.5B draft on a mixed stream: ShareGPT and HumanEval alternating.
+Claims per rate: adaptive's mean latency over the best other policy's (with a paired bootstrap interval over the
+requests), its p99 over the best other p99, at the lowest rate no-spec's over adaptive's, at the top rate adaptive
+against no-spec. Goodput: output tok/s of the requests that finished within 3x their latency alone.
 Scenarios (workload a; no-spec, fixed-4, fixed-8, adaptive): a distribution change (HumanEval, then
 ShareGPT) at one rate, and a load change (low, high, low rate). Writes ``<out>.json``, ``<out>.md`` and
 ``<out>_*.png``.
@@ -47,6 +52,10 @@ POLICIES = ("no-spec", "fixed-1", "fixed-2", "fixed-4", "fixed-8", "adaptive")
 SCENARIO_POLICIES = ("no-spec", "fixed-4", "fixed-8", "adaptive")
 MAX_K = 8
 CLAIM_TOLERANCE = 1.05  # adaptive may be this much slower than the best other policy and still pass
+P99_TOLERANCE = 1.10  # ... and its p99 latency this much above the best other p99
+LIGHT_LOAD_GAIN = 1.3  # at the lowest rate, no speculation's mean latency over adaptive's should reach this
+BOOTSTRAP_SAMPLES = 2000
+SLO_SCALE = 3.0  # goodput counts a request's tokens when it finished within this many times its latency alone
 HISTORY_KEYS = ("num_decoding", "mean_k", "acceptance", "predicted_s", "measured_s")
 
 
@@ -81,21 +90,30 @@ def workload_a_prompts(n: int) -> list[BenchPrompt]:
     return alternate(load_sharegpt(half), load_prompts(half, "humaneval")[0], n)
 
 
+# name: (target, speculative config, prompts for n requests, default rates (req/s), requests, max tokens)
+WORKLOADS: dict[str, tuple[str, dict[str, Any], Any, str, int, int]] = {
+    "a": ("smollm2-135m", {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+          workload_a_prompts, "0.1,0.4,0.8,1.6,3.2", 16, 128),
+    "b": ("qwen2.5-coder-1.5b", {"method": "draft", "model": "qwen2.5-coder-0.5b"},
+          lambda n: load_prompts(n, "humaneval")[0], "0.02,0.05,0.1,0.2,0.4", 8, 64),
+    # the committed EAGLE head: k is the number of its tree's nodes verified
+    "c": ("qwen2.5-coder-1.5b", {"method": "eagle"},
+          lambda n: load_prompts(n, "humaneval")[0], "0.02,0.05,0.1,0.2,0.4", 8, 64),
+    # half code, where the 0.5B draft is accepted, half chat, where it mostly is not
+    "d": ("qwen2.5-coder-1.5b", {"method": "draft", "model": "qwen2.5-coder-0.5b"},
+          workload_a_prompts, "0.02,0.05,0.1,0.2,0.4", 8, 64),
+}
+
+
 def build_workloads(args: argparse.Namespace) -> list[Workload]:
-    all_workloads = {
-        "a": lambda: Workload(
-            "a", "smollm2-135m",
-            {"method": "ngram", "num_speculative_tokens": "auto", "max_speculative_tokens": MAX_K,
-             "prompt_lookup_min": 2, "prompt_lookup_max": 4},
-            workload_a_prompts(args.requests_a), args.max_tokens_a, args.rates_a, args.threads_a or args.threads),
-        "b": lambda: Workload(
-            "b", "qwen2.5-coder-1.5b",
-            {"method": "draft", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": "auto",
-             "max_speculative_tokens": MAX_K},
-            load_prompts(args.requests_b, "humaneval")[0], args.max_tokens_b, args.rates_b,
-            args.threads_b or args.threads),
-    }
-    return [all_workloads[name]() for name in args.workloads]
+    out = []
+    for name in args.workloads:
+        target, spec, prompts, _, _, _ = WORKLOADS[name]
+        config = {**spec, "num_speculative_tokens": "auto", "max_speculative_tokens": MAX_K}
+        out.append(Workload(name, target, config, prompts(getattr(args, f"requests_{name}")),
+                            getattr(args, f"max_tokens_{name}"), getattr(args, f"rates_{name}"),
+                            getattr(args, f"threads_{name}") or args.threads))
+    return out
 
 
 def build_llm(w: Workload, args: argparse.Namespace) -> LLM:
@@ -401,6 +419,28 @@ def common_length_latency(rows: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def latency_by_request(row: dict[str, Any]) -> dict[int, float]:
+    """A row's mean latency per request (over its interleaved runs)."""
+    runs: dict[int, list[float]] = {}
+    for q in row["requests"]:
+        runs.setdefault(q["index"], []).append(q["latency"])
+    return {i: float(np.mean(v)) for i, v in runs.items()}
+
+
+def ratio_ci(num: dict[str, Any], den: dict[str, Any], seed: int = 0) -> tuple[float, float]:
+    """95% interval of mean latency(num) / mean latency(den): a paired bootstrap over the requests both served.
+    It covers which requests were drawn, not run-to-run machine noise (the runs' spread says that) nor the
+    queueing that ties one request's latency to its neighbours' (each bootstrap sample keeps the rate's
+    measured latencies as they were)."""
+    a, b = latency_by_request(num), latency_by_request(den)
+    common = sorted(set(a) & set(b))
+    x, y = np.array([a[i] for i in common]), np.array([b[i] for i in common])
+    picks = np.random.default_rng(seed).integers(0, len(common), (BOOTSTRAP_SAMPLES, len(common)))
+    ratios = x[picks].mean(axis=1) / y[picks].mean(axis=1)
+    lo, hi = np.percentile(ratios, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
 def claims(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per workload: adaptive's mean latency over the best other policy's at each rate (passes at <= 1.05),
     and at the highest rate whether fixed-8 is slower than no-spec and adaptive is not."""
@@ -418,15 +458,28 @@ def claims(rows: list[dict[str, Any]]) -> dict[str, Any]:
             ratio = adaptive["mean_latency_s"] / best["mean_latency_s"]
             common = common_length_latency([adaptive, *others])
             best_common = min((r["policy"] for r in others), key=lambda p: common[p])
+            best_p99 = min(others, key=lambda r: r["p99_latency_s"])
+            p99_ratio = adaptive["p99_latency_s"] / best_p99["p99_latency_s"]
             per_rate.append({"rate": rate, "adaptive_mean_latency_s": adaptive["mean_latency_s"],
                              "best_other_policy": best["policy"], "best_other_mean_latency_s": best["mean_latency_s"],
-                             "ratio": ratio, "within_5pct": ratio <= CLAIM_TOLERANCE,
+                             "ratio": ratio, "ratio_ci95": ratio_ci(adaptive, best),
+                             "within_5pct": ratio <= CLAIM_TOLERANCE,
+                             "p99_best_other_policy": best_p99["policy"], "p99_ratio": p99_ratio,
+                             "p99_within_10pct": p99_ratio <= P99_TOLERANCE,
                              "common_length_requests": common["count"],
                              "common_length_best_other_policy": best_common,
                              "common_length_ratio": common["adaptive"] / common[best_common]})
         entry: dict[str, Any] = {"adaptive_vs_best_other": per_rate}
         if not per_rate:
             entry["note"] = "adaptive was not run: no claims on it"
+        low = rates[0] if rates else None
+        low_nospec = find(rows, wl, low, "no-spec") if low is not None else None
+        low_adaptive = find(rows, wl, low, "adaptive") if low is not None else None
+        if low_nospec is not None and low_adaptive is not None:
+            gain = low_nospec["mean_latency_s"] / low_adaptive["mean_latency_s"]
+            lo, hi = ratio_ci(low_nospec, low_adaptive)
+            entry["lowest_rate"] = {"rate": low, "nospec_over_adaptive": gain, "ci95": (lo, hi),
+                                    "reaches_light_load_gain": gain >= LIGHT_LOAD_GAIN}
         top = rates[-1] if rates else None
         nospec = find(rows, wl, top, "no-spec") if top is not None else None
         if nospec is not None:
@@ -467,6 +520,8 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     for wl, wcfg in cfg["workloads"].items():
         rows = [r for r in report["rows"] if r["workload"] == wl]
+        if not rows:  # (--scenarios-only)
+            continue
         policies = [p for p in cfg["policies"] if any(r["policy"] == p for r in rows)]
         rates = sorted({r["request_rate"] for r in rows})
         lines += [f"## Workload {wl}: `{wcfg['target']}`, {wcfg['speculative_config']['method']}", "",
@@ -477,6 +532,13 @@ def markdown(report: dict[str, Any]) -> str:
         for rate in rates:
             cells = [fmt(r["mean_latency_s"]) if (r := find(rows, wl, rate, p)) else "-" for p in policies]
             lines.append(f"| {rate:g} | " + " | ".join(cells) + " |")
+        goodput = slo_goodput(rows, wl)
+        if goodput is not None:
+            lines += ["", f"Goodput (output tok/s of the requests that finished within {SLO_SCALE:g}x their latency "
+                      "alone, i.e. no-spec at the lowest rate):", "",
+                      "| rate (req/s) | " + " | ".join(policies) + " |", "|---|" + "---|" * len(policies)]
+            lines += [f"| {rate:g} | " + " | ".join(fmt(goodput.get((rate, p)), ".1f") for p in policies) + " |"
+                      for rate in rates]
         if cfg.get("repeats", 1) > 1:
             lines += ["", f"Each cell is the mean of {cfg['repeats']} interleaved runs; the runs' mean latencies:", ""]
             lines += [f"- rate {r['request_rate']:g} {r['policy']}: "
@@ -513,9 +575,17 @@ def claims_markdown(c: dict[str, Any]) -> list[str]:
         lines.append(f"- {c['note']}")
     for e in c.get("adaptive_vs_best_other", []):
         lines.append(f"- rate {e['rate']:g}: adaptive / best other ({e['best_other_policy']}) = {e['ratio']:.3f} "
-                     f"-> {passed(e['within_5pct'])} (<= {CLAIM_TOLERANCE}); over the "
+                     f"(95% CI {e['ratio_ci95'][0]:.3f}-{e['ratio_ci95'][1]:.3f}) "
+                     f"-> {passed(e['within_5pct'])} (<= {CLAIM_TOLERANCE}); p99 / best other p99 "
+                     f"({e['p99_best_other_policy']}) = {e['p99_ratio']:.3f} -> {passed(e['p99_within_10pct'])} "
+                     f"(<= {P99_TOLERANCE}); over the "
                      f"{int(e['common_length_requests'])} requests whose output length every policy agrees on: "
                      f"{e['common_length_ratio']:.3f} against {e['common_length_best_other_policy']}")
+    low = c.get("lowest_rate")
+    if low:
+        lines.append(f"- lowest rate {low['rate']:g}: no-spec / adaptive mean latency = {low['nospec_over_adaptive']:.3f} "
+                     f"(95% CI {low['ci95'][0]:.3f}-{low['ci95'][1]:.3f}) -> {passed(low['reaches_light_load_gain'])} "
+                     f"(>= {LIGHT_LOAD_GAIN})")
     high = c.get("highest_rate")
     if high:
         if "fixed8_slower_than_nospec" in high:
@@ -543,26 +613,46 @@ def _rate_ticks(ax: Any, rates: list[float]) -> None:
     ax.set_xticklabels([f"{t:g}" for t in ticks])
 
 
+def slo_goodput(rows: list[dict[str, Any]], wl: str) -> dict[tuple[float, str], float] | None:
+    """Output tokens per second of the requests that finished within SLO_SCALE x their own latency alone (no
+    speculation at the lowest rate, where requests rarely queue), per (rate, policy); None without that row."""
+    ours = [r for r in rows if r["workload"] == wl]
+    rates = sorted({r["request_rate"] for r in ours})
+    alone = find(ours, wl, rates[0], "no-spec") if rates else None
+    if alone is None:
+        return None
+    limit = {i: SLO_SCALE * lat for i, lat in latency_by_request(alone).items()}
+    out = {}
+    for r in ours:
+        runs = max(1, len(r.get("mean_latency_runs_s", [1])))
+        tokens = sum(q["output_tokens"] for q in r["requests"] if q["latency"] <= limit.get(q["index"], 0.0))
+        out[(r["request_rate"], r["policy"])] = tokens / runs / r["virtual_s"] if r["virtual_s"] > 0 else 0.0
+    return out
+
+
 def plot_workload(rows: list[dict[str, Any]], wl: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in rows if r["workload"] == wl]
-    adaptive = sorted((r for r in rows if r["policy"] == "adaptive"), key=lambda r: r["request_rate"])
-    fig, axes = plt.subplots(1, 2 if adaptive else 1, figsize=(11 if adaptive else 6, 4), squeeze=False)
-    ax = axes[0][0]
-    for policy in dict.fromkeys(r["policy"] for r in rows):
-        pts = sorted((r["request_rate"], r["mean_latency_s"]) for r in rows if r["policy"] == policy)
-        ax.plot(*zip(*pts), marker="o", label=policy)
-    ax.set(xscale="log", xlabel="request rate (req/s)", ylabel="mean latency (s)", title=f"workload {wl}")
-    _rate_ticks(ax, [r["request_rate"] for r in rows])
-    ax.grid(alpha=0.3)
-    ax.legend()
-    if adaptive:
-        ax = axes[0][1]
-        ax.plot([r["request_rate"] for r in adaptive], [r["mean_k"] for r in adaptive], marker="o", color="C5")
-        ax.set(xscale="log", xlabel="request rate (req/s)", ylabel="mean k", title=f"workload {wl}: adaptive mean k")
-        _rate_ticks(ax, [r["request_rate"] for r in adaptive])
+    goodput = slo_goodput(rows, wl)
+    panels: list[tuple[str, Any]] = [("mean latency (s)", lambda r: r["mean_latency_s"]),
+                                     ("p99 latency (s)", lambda r: r["p99_latency_s"])]
+    if goodput is not None:
+        panels.append((f"goodput (tok/s within {SLO_SCALE:g}x latency alone)",
+                       lambda r: goodput[(r["request_rate"], r["policy"])]))
+    if all(r.get("mean_k") is not None for r in rows):  # (the served sweep cannot see k)
+        panels.append(("mean k", lambda r: r["mean_k"]))
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), squeeze=False)
+    for ax, (label, value) in zip(axes.flat, panels):
+        for policy in dict.fromkeys(r["policy"] for r in rows):
+            pts = sorted((r["request_rate"], value(r)) for r in rows if r["policy"] == policy)
+            ax.plot(*zip(*pts), marker="o", label=policy, lw=2.5 if policy == "adaptive" else 1.2)
+        ax.set(xscale="log", xlabel="request rate (req/s)", ylabel=label, title=f"workload {wl}: {label}")
+        _rate_ticks(ax, [r["request_rate"] for r in rows])
         ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -625,6 +715,8 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     matplotlib.use("Agg")
     written = []
     for wl in report["config"]["workloads"]:
+        if not any(r["workload"] == wl for r in report["rows"]):
+            continue
         path = out.with_name(f"{out.name}_{wl}.png")
         plot_workload(report["rows"], wl, path)
         written.append(path.name)
@@ -651,40 +743,43 @@ def str_list(text: str) -> list[str]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workloads", type=str_list, default=["a", "b"], help="comma list of a, b")
-    ap.add_argument("--rates-a", type=float_list, default=float_list("0.1,0.4,0.8,1.6,3.2"), help="req/s, comma list")
-    ap.add_argument("--rates-b", type=float_list, default=float_list("0.02,0.05,0.1,0.2,0.4"), help="req/s, comma list")
-    ap.add_argument("--requests-a", type=int, default=16)
-    ap.add_argument("--requests-b", type=int, default=8)
-    ap.add_argument("--max-tokens-a", type=int, default=128)
-    ap.add_argument("--max-tokens-b", type=int, default=64)
-    ap.add_argument("--policies", type=str_list, default=list(POLICIES), help="comma list of " + ", ".join(POLICIES))
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--workloads", type=str_list, default=["a", "b"], help="comma list of " + ", ".join(WORKLOADS))
     # 2 OpenMP threads on 2 shared cores jitter by 10-20% run to run; 1 thread by ~2%. Per workload, so a small
     # model can trade speed for comparable runs.
-    ap.add_argument("--threads-a", type=int, default=None, help="threads for workload a (default --threads)")
-    ap.add_argument("--threads-b", type=int, default=None, help="threads for workload b (default --threads)")
+    for name, (_, _, _, rates, requests, max_tokens) in WORKLOADS.items():
+        ap.add_argument(f"--rates-{name}", type=float_list, default=float_list(rates), help="req/s, comma list")
+        ap.add_argument(f"--requests-{name}", type=int, default=requests)
+        ap.add_argument(f"--max-tokens-{name}", type=int, default=max_tokens)
+        ap.add_argument(f"--threads-{name}", type=int, default=None, help=f"threads for workload {name} (default --threads)")
+    ap.add_argument("--policies", type=str_list, default=list(POLICIES), help="comma list of " + ", ".join(POLICIES))
+    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scenarios", action=argparse.BooleanOptionalAction, default=True,
                     help="run the distribution- and load-change scenarios on workload a")
+    ap.add_argument("--scenarios-only", action="store_true", help="run the scenarios, not the sweep")
     ap.add_argument("--scenario-rate", type=float, default=None, help="req/s; default: the middle rate of a")
     ap.add_argument("--scenario-requests", type=int, default=8, help="requests per scenario phase")
     ap.add_argument("--out", default="benchmarks/results/goodput_sweep/goodput_sweep")
     ap.add_argument("--repeats", type=int, default=1, help="runs per (rate, policy), interleaved; rows average them")
     ap.add_argument("--replot", action="store_true", help="rewrite <out>.md and plots from <out>.json only")
     args = ap.parse_args(argv)
+    if args.scenarios_only and (not args.scenarios or "a" not in args.workloads):
+        ap.error("--scenarios-only runs workload a's scenarios: it needs workload a and no --no-scenarios")
     for name in args.workloads:
-        if name not in ("a", "b"):
-            ap.error(f"unknown workload {name!r}: expected a or b")
+        if name not in WORKLOADS:
+            ap.error(f"unknown workload {name!r}: expected one of " + ", ".join(WORKLOADS))
+        if not getattr(args, f"rates_{name}") or min(getattr(args, f"rates_{name}")) <= 0:
+            ap.error(f"--rates-{name}: give at least one rate, each > 0 req/s")
+        for what in ("requests", "max_tokens"):
+            if getattr(args, f"{what}_{name}") < 1:
+                ap.error(f"--{what.replace('_', '-')}-{name} must be >= 1")
     for policy in args.policies:
         try:
             policy_value(policy)
         except ValueError as exc:
             ap.error(str(exc))
-    if not args.rates_a or not args.rates_b:
-        ap.error("give at least one rate")
     return args
 
 
@@ -732,7 +827,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         llm = build_llm(w, args)
         warm_up(llm.engine, chat_ids(llm, w.prompts[:1])[0])
         llm.engine.speculation.record_history = True
-        rows += sweep(w, llm, args.policies, args.seed, args.repeats)
+        if not args.scenarios_only:
+            rows += sweep(w, llm, args.policies, args.seed, args.repeats)
         if args.scenarios and w.name == "a":
             scenarios = run_scenarios(args, w, llm)
         del llm
