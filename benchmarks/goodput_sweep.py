@@ -714,10 +714,9 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
 
     matplotlib.use("Agg")
     written = []
-    for wl in report["config"]["workloads"]:
-        if not any(r["workload"] == wl for r in report["rows"]):
-            continue
-        path = out.with_name(f"{out.name}_{wl}.png")
+    swept = [wl for wl in report["config"]["workloads"] if any(r["workload"] == wl for r in report["rows"])]
+    for wl in swept:
+        path = out.with_name(f"{out.name}_{wl}.png" if len(swept) > 1 else f"{out.name}.png")
         plot_workload(report["rows"], wl, path)
         written.append(path.name)
     for name, sc in report["scenarios"].items():

@@ -248,7 +248,11 @@ class Speculation:
             self.controller.observe(req.request_id, num_drafts, accepted)
 
     def end_step(self) -> None:
-        if self.controller is not None:
+        # only steps the controller chose count as steps without a verification: under a fixed k or none (a
+        # policy switched at run time) it saw nothing, and ageing its evidence there made it forget a pair it had
+        # measured (the 0.5B draft's 0.99 acceptance for qwen2.5-coder-1.5b aged to the 0.6 prior during a
+        # no-speculation run, and adaptive then never drafted)
+        if self.learning:
             self.controller.end_step()
 
     def learn_step_time(self, sample: StepSample) -> None:
