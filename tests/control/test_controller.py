@@ -191,6 +191,27 @@ def test_a_draft_model_never_verified_is_probed_once_so_its_acceptance_gets_meas
     assert llm.spec_stats()["num_drafts"] == 1  # once per controller: from then on it decides
 
 
+def test_only_the_controllers_own_steps_age_its_acceptance_evidence():
+    """Steps under a fixed k or none (a policy switched at run time) tell the controller nothing, so its measured
+    acceptance must survive them; its own k = 0 steps age it towards the prior (the probe for a shift)."""
+    llm = _llm(speculative_config={"method": "draft", "model": MODEL})
+    engine = llm.engine
+    controller = engine.speculation.controller
+    for _ in range(3):
+        controller.observe("earlier", 8, 8)
+    learned = controller.estimator.rates("fresh", 1)[0]
+    assert learned > 0.85
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    set_speculation(engine, 0)
+    llm.generate(PROMPTS[0], params, use_tqdm=False)
+    assert controller.estimator.rates("fresh", 1)[0] == learned
+    set_speculation(engine, "auto")
+    controller.model = _model(per_token=1.0)  # a verified token costs a second: k = 0 on every step
+    llm.generate(PROMPTS[0], params, use_tqdm=False)
+    assert llm.spec_stats()["num_drafts"] == 0
+    assert controller.estimator.rates("fresh", 1)[0] < learned - 0.05
+
+
 def test_profiling_steps_stay_out_of_the_speculation_statistics():
     from turbospec.tuning.profiler import ProfileGrid, profile_engine
 
