@@ -250,8 +250,7 @@ class Speculation:
     def end_step(self) -> None:
         # only steps the controller chose count as steps without a verification: under a fixed k or none (a
         # policy switched at run time) it saw nothing, and ageing its evidence there made it forget a pair it had
-        # measured (the 0.5B draft's 0.99 acceptance for qwen2.5-coder-1.5b aged to the 0.6 prior during a
-        # no-speculation run, and adaptive then never drafted)
+        # measured (tests/control/test_controller.py, test_only_the_controllers_own_steps_age_its_acceptance_evidence)
         if self.learning:
             self.controller.end_step()
 

@@ -77,11 +77,10 @@ def without_prefill(cost: StepCost, decodes_s: float) -> StepCost:
 
     A prompt's chunk runs this step whatever the drafts: counted in the time that the decodes' tokens are divided
     by, it made drafting look cheap beside it. The drafts keep their marginal cost in the real step (past a knot,
-    a verified token costs what a prefill token does). qwen2.5-coder-1.5b with its 0.5B draft, 12 HumanEval
-    prompts at once on 2 Zen 4 cores: beside the last 256-token chunk the controller drafted k = 6-7 for the 10
-    requests already decoding, so the draft model ran over their 1,500 prompt tokens (3.3 s) in a 2.1 s step, and
-    never drafted again in the 47 plain steps (136 ms each) that followed: 22.5 s against 18.6 s without
-    speculation."""
+    a verified token costs what a prefill token does). With qwen2.5-coder-1.5b and its 0.5B draft at saturation,
+    adaptive ran 1.20x no speculation's latency before (benchmarks/results/goodput_sweep/archive/
+    2026-11-30-goodput_saturation.md), 1.007x after (goodput_sweep/goodput_sweep_zen4_b.md): beside a 256-token chunk it had drafted for every
+    decoding request, and the draft model first ran over all their prompts."""
     prefill_s = cost(0, 0, 0) - decodes_s
     if prefill_s <= 0:
         return cost
