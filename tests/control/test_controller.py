@@ -256,6 +256,26 @@ def test_a_profile_fits_an_engine_with_just_the_positions_its_steps_take(monkeyp
         profile_engine(llm.engine, ProfileGrid((1,), (33,), (0, 4), 2), progress=False)
 
 
+def test_the_controllers_own_profile_reaches_the_engines_seats(monkeypatch, tmp_path):
+    """At saturation every seat decodes: the profile an engine measures for itself reaches its max_num_seqs, a
+    cached one that stops short is measured again, and an engine with fewer seats keeps the larger one."""
+    from turbospec.tuning import profiler
+    from turbospec.tuning.profiler import ProfileGrid
+
+    monkeypatch.setenv("TURBOSPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(profiler, "DISTURBED", float("inf"))
+    monkeypatch.setitem(profiler.GRIDS, "brief", ProfileGrid((1, 2), (16,), (0, 2), 1))
+    config = {"method": "ngram", "num_speculative_tokens": "auto", "max_speculative_tokens": 2}
+
+    def profiled(seats: int) -> int:
+        return _llm(speculative_config=config, max_num_seqs=seats).engine.speculation.controller.model.max_profiled_batch
+
+    assert profiled(3) == 3  # the grid's batches 1 and 2, then the engine's 3 seats
+    assert profiled(2) == 3  # the cached profile covers 2 seats
+    assert profiled(5) == 5  # it stops short of 5: measured again, and saved
+    assert profiled(4) == 5
+
+
 def test_a_profile_drops_the_steps_another_process_disturbed():
     """Per grid point and k, a round more than 1.25x slower than the fastest is dropped; ordinary jitter and
     every other k's rounds stay, in measuring order. A disturbed k = 0 must not make drafts look cheap, nor a

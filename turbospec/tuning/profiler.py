@@ -18,7 +18,7 @@ import hashlib
 import json
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -47,6 +47,11 @@ GRIDS = {
     "brief": ProfileGrid((1, 4, 12), (128,), (0, 1, 2, 4, 6), 3),
     "full": ProfileGrid((1, 2, 4, 8, 16, 32), (64, 512, 1024), (0, 1, 2, 4, 8), 3),
 }
+# The profile the controller measures for itself reaches the engine's max_num_seqs, up to this batch. At
+# saturation every seat decodes; a profile that stopped at 12 priced those steps by extrapolation, and on
+# workload a of benchmarks/goodput_sweep.py (smollm2-135m, n-gram, 16 seats) adaptive drafted at batches of 14-16
+# where no speculation was fastest (goodput_sweep/goodput_sweep_zen4_a.md, 1.079x at 3 req/s).
+TOP_BATCH = 32
 
 
 # Part of every profile's key: a profile cached by another version of this profiler (other step features, another
@@ -222,7 +227,20 @@ def build_model(engine: LLMEngine, grid: ProfileGrid, progress: bool = True) -> 
     return model
 
 
+def reaching_seats(engine: LLMEngine, grid: ProfileGrid) -> ProfileGrid:
+    """The grid with one more batch size, the engine's max_num_seqs (up to TOP_BATCH), when its own stop short."""
+    top = min(engine.config.max_num_seqs, TOP_BATCH)
+    return grid if top <= max(grid.batch_sizes) else replace(grid, batch_sizes=(*grid.batch_sizes, top))
+
+
 def load_or_profile(engine: LLMEngine, progress: bool = True, grid: str = "brief") -> StepTimeModel:
-    """The cached model for this engine, or a brief profile (saved for next time) when there is none."""
+    """The cached model for this engine, or a profile over `grid` reaching the engine's seats (saved for next
+    time) when there is none, or when the cached one stops at fewer decoding requests than this engine can run
+    (an engine with fewer seats then keeps using the larger profile)."""
+    chosen = reaching_seats(engine, GRIDS[grid])
     model = StepTimeModel.load(profile_path(profile_key(engine)))
-    return model if model is not None else build_model(engine, GRIDS[grid], progress)
+    if model is not None:
+        reachable = max((b for _, b in _grid_points(engine, chosen, profile_ks(engine, chosen))), default=0)
+        if model.max_profiled_batch >= reachable:
+            return model
+    return build_model(engine, chosen, progress)
