@@ -228,9 +228,10 @@ def build_model(engine: LLMEngine, grid: ProfileGrid, progress: bool = True) -> 
 
 
 def reaching_seats(engine: LLMEngine, grid: ProfileGrid) -> ProfileGrid:
-    """The grid with one more batch size, the engine's max_num_seqs (up to TOP_BATCH), when its own stop short."""
+    """The grid with the engine's max_num_seqs (up to TOP_BATCH) among its batch sizes (those above it are left
+    out when the grid's points are chosen: _grid_points)."""
     top = min(engine.config.max_num_seqs, TOP_BATCH)
-    return grid if top <= max(grid.batch_sizes) else replace(grid, batch_sizes=(*grid.batch_sizes, top))
+    return grid if top in grid.batch_sizes else replace(grid, batch_sizes=tuple(sorted({*grid.batch_sizes, top})))
 
 
 def load_or_profile(engine: LLMEngine, progress: bool = True, grid: str = "brief") -> StepTimeModel:
