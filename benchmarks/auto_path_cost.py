@@ -75,16 +75,20 @@ def run_batch(engine: Any, timer: PhaseTimer, prompts: list[list[int]], max_toke
     for i, p in enumerate(prompts):
         engine.add_request(p, params, request_id=f"{tag}-{i}")
     steps, start = 0, time.perf_counter()
-    decode = {"steps": 0, "wall_s": 0.0, "choice_s": 0.0}  # steps with no prompt left to prefill
+    controller = engine.speculation.controller
+    # steps with no prompt left to prefill: their wall time, the budget callback's and the controller's own choice's
+    decode = {"steps": 0, "wall_s": 0.0, "choice_s": 0.0, "choose_s": 0.0}
     while engine.has_unfinished_requests():
         only_decodes = not engine.scheduler.waiting and not any(r.is_prefilling for r in engine.scheduler.running)
         step_start, choice_before = time.perf_counter(), timer.seconds.get("choice", 0.0)
+        choose_before = controller.stats.controller_s
         engine.step()
         steps += 1
         if only_decodes:
             decode["steps"] += 1
             decode["wall_s"] += time.perf_counter() - step_start
             decode["choice_s"] += timer.seconds.get("choice", 0.0) - choice_before
+            decode["choose_s"] += controller.stats.controller_s - choose_before
     wall = time.perf_counter() - start
     stats = engine.spec_stats_dict()
     return {"wall_s": wall, "steps": steps, "phases_s": {p: timer.seconds.get(p, 0.0) for p in PHASES},
@@ -109,8 +113,11 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "step_ms": 1e3 * wall / steps,
         "decode_step_ms": 1e3 * decode_wall / decode_steps if decode_steps else None,
         "choice_ms": 1e3 * own["choice"] / steps,
-        # the target's measure: the choice's share of the steps where every request decodes (the whole batch)
+        # the target's measure: the choice's share of the steps where every request decodes (the whole batch);
+        # "choose" is the controller's own part of it (GoodputController.choose), without the n-gram lookups
         "decode_choice_share": (sum(r["decode_steps"]["choice_s"] for r in adaptive) / decode_wall
+                                if decode_wall else None),
+        "decode_choose_share": (sum(r["decode_steps"]["choose_s"] for r in adaptive) / decode_wall
                                 if decode_wall else None),
         "choice_share": own["choice"] / wall,
         "controller_share": sum(own.values()) / wall,
@@ -154,14 +161,20 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
              f"interleaved on one engine, {meta['rounds']} rounds; draft cap k = {meta['max_k']}",
              "- ratio: adaptive's wall time over no-spec's (mean of the rounds' paired ratios, [min, max]); choice: "
              "Speculation.budget per step (the controller, and an n-gram proposer's lookups); choice % of decode "
-             "steps: its share of the steps where every request decodes (no prompt left to prefill); controller: "
-             "choice, step sample and online fit, as a share of adaptive's whole wall time", ""]
+             "steps: its share of the steps where every request decodes (no prompt left to prefill), and of that the "
+             "controller's own choice (GoodputController.choose, without lookups); controller: "
+             "choice, step sample and online fit, as a share of adaptive's whole wall time",
+             "- every request has the same length and they start together, so the last one sets the wall time: drafts "
+             "that finish some requests early buy nothing here, while their verification slows every step. The "
+             "rows where adaptive drafted nothing (mean k 0) are the measure of the auto path's own cost; the others "
+             "are no verdict on the choice (goodput_sweep.py is, with each request's own latency)", ""]
     lines += table(["workload", "batch", "no-spec s", "adaptive s", "ratio [min, max]", "step ms",
-                    "decode step ms", "choice ms", "choice % of decode steps", "controller %", "mean k"],
+                    "decode step ms", "choice ms", "choice % of decode steps", "choose % of decode steps",
+                    "controller %", "mean k"],
                    [[f"{r['workload']} ({r['target']}, {r['method']})", r["batch"], f"{r['no_spec_s']:.2f}",
                      f"{r['adaptive_s']:.2f}", f"{r['ratio']:.3f} [{r['ratio_min']:.3f}, {r['ratio_max']:.3f}]",
                      f"{r['step_ms']:.1f}", fmt(r["decode_step_ms"], 1), f"{r['choice_ms']:.2f}",
-                     fmt(r["decode_choice_share"], 2, 100),
+                     fmt(r["decode_choice_share"], 2, 100), fmt(r["decode_choose_share"], 2, 100),
                      f"{100 * r['controller_share']:.2f}", f"{r['mean_k']:.2f}"] for r in rows])
     return "\n".join(lines) + "\n"
 

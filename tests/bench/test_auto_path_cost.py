@@ -36,6 +36,7 @@ def test_phases_are_timed_per_policy_and_sum_to_at_most_the_wall_time(tmp_path, 
     decode = runs["adaptive"]["decode_steps"]
     assert 0 < decode["steps"] < runs["adaptive"]["steps"]  # the prefill step is not one
     assert row["decode_choice_share"] == pytest.approx(decode["choice_s"] / decode["wall_s"])
+    assert 0 < decode["choose_s"] <= decode["choice_s"]  # the controller's own choice is part of the callback
     assert "| workload | batch |" in out.with_suffix(".md").read_text()
 
 

@@ -3,7 +3,7 @@ expected emitted tokens per second of predicted step time (TurboSpec, arXiv 2406
 
 Request i emits 1 + a_i1 + a_i1 a_i2 + ... tokens for k_i drafts (conditional acceptance a_ij per position).
 Lengthening its draft from k to k+1 adds a_i1 ... a_i(k+1) expected tokens, a gain that only shrinks as k
-grows. So a greedy pass visits the draft tokens in order of decreasing gain (a heap), and the best prefix of
+grows. So a greedy pass visits the draft tokens in order of decreasing gain (one sort), and the best prefix of
 that order is the allocation. The pass does not stop at the first token that fails to pay: a draft model's
 cost jumps when the longest draft grows (one more draft forward for the whole batch), so a prefix that loses
 at first can win a few tokens later. k = 0 for every request is always a candidate.
@@ -11,7 +11,6 @@ at first can win a few tokens later. k = 0 for every request is always a candida
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,8 +61,9 @@ def choose_lengths(rates: list[list[float]], k_max: list[int], cost: StepCost,
         if cheapest != k_max:  # (draft heads: every drafting request pays the same, nothing to leave out)
             limits.append(cheapest)
     for limit in limits:
+        order = _draft_order(rates, limit)
         for cap in caps:
-            candidate = _greedy(rates, [min(k, cap) for k in limit], cost, contexts, max_total, activation)
+            candidate = _greedy(order, n, cap, cost, contexts, max_total, activation)
             if candidate.goodput > best.goodput:
                 best = candidate
     if best.goodput < plain.goodput * (1.0 + min_gain):
@@ -71,27 +71,44 @@ def choose_lengths(rates: list[list[float]], k_max: list[int], cost: StepCost,
     return best
 
 
-def _greedy(rates: list[list[float]], k_max: list[int], cost: StepCost, contexts: list[int],
+def _draft_order(rates: list[list[float]], k_max: list[int]) -> list[tuple[float, int, int]]:
+    """Every draft token the requests may verify as (-expected gain, request, position), in the order a greedy pass
+    takes them: decreasing gain, ties to the lower request. A request's gains only fall with position (every rate
+    is below 1), so this is the merge of its rows that a heap would pop, sorted once for every depth cap."""
+    order = []
+    for i, (r, k) in enumerate(zip(rates, k_max)):
+        reach = 1.0
+        for j in range(k):
+            reach *= r[j]
+            order.append((-reach, i, j + 1))
+    order.sort()
+    return order
+
+
+def _greedy(order: list[tuple[float, int, int]], n: int, cap: int, cost: StepCost, contexts: list[int],
             max_total: int | None, activation: list[float] | None) -> Choice:
-    """The best prefix of the draft tokens taken in order of decreasing expected gain."""
-    n = len(rates)
-    ks = [0] * n
-    best = Choice(list(ks), float(n), cost(0, 0, 0))
-    heap = [(-rates[i][0], i) for i in range(n) if k_max[i] > 0]
-    heapq.heapify(heap)
+    """The best prefix of the draft tokens in `order` (_draft_order) at positions up to `cap`."""
+    best = Choice([0] * n, float(n), cost(0, 0, 0))
+    best_goodput, best_end = best.goodput, 0
     tokens, sum_k, max_k, sum_kctx, extra = float(n), 0, 0, 0, 0.0
-    while heap and (max_total is None or sum_k < max_total):
-        neg_gain, i = heapq.heappop(heap)
-        ks[i] += 1
+    for end, (neg_gain, i, j) in enumerate(order, 1):
+        if j > cap:
+            continue
+        if max_total is not None and sum_k >= max_total:
+            break
         tokens -= neg_gain
         sum_k += 1
-        max_k = max(max_k, ks[i])
+        max_k = max(max_k, j)
         sum_kctx += contexts[i]
-        if activation is not None and ks[i] == 1:
+        if activation is not None and j == 1:
             extra += activation[i]
         t = cost(sum_k, max_k, sum_kctx) + extra
-        if t > 0 and tokens / t > best.goodput:
-            best = Choice(list(ks), tokens, t)
-        if ks[i] < k_max[i]:
-            heapq.heappush(heap, (neg_gain * rates[i][ks[i]], i))
+        if t > 0 and tokens / t > best_goodput:
+            best_goodput, best_end = tokens / t, end
+            best = Choice([], tokens, t)
+    ks = [0] * n
+    for _, i, j in order[:best_end]:
+        if j <= cap:
+            ks[i] = j  # a request's positions come in order: its last one taken is its k
+    best.ks = ks
     return best

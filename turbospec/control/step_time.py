@@ -280,50 +280,47 @@ class StepTimeModel:
         Each draft token adds one verified token and one draft token and attends to its request's context; the
         longest draft sets the number of draft forwards, and a tree drafter's levels (at most `tree_levels`,
         its depth). Evaluated hundreds of times per step, so the features are resolved once here into
-        (coefficient, how it moves) terms.
+        a few coefficients of (sum k, sum k x context, max k) and the kinks.
         """
-        terms: list[tuple[float, str, float]] = []  # (coef, delta kind, base value)
+        # cost = const + per_k sum_k + per_kctx sum_kctx + per_draft_step max_k, plus the tree levels, the
+        # any-draft switch and the kinks (knots in the batch's tokens)
+        const = per_k = per_kctx = per_draft_step = per_level = per_drafting = 0.0
+        kinks: list[tuple[float, float, bool]] = []  # (coef, base tokens past the knot, a jump rather than a hinge)
         for part in self.parts.values():
             for name, coef in zip(part.columns, part.coef):
-                if name == "one" or name == "batch":
-                    terms.append((coef, "const", 1.0 if name == "one" else float(base.batch)))
+                if name == "one":
+                    const += coef
+                elif name == "batch":
+                    const += coef * base.batch
                 elif name in ("tokens", "kv", "spec_tokens", "draft_tokens"):
-                    terms.append((coef, "sum_k", float(getattr(base, name))))
+                    const += coef * getattr(base, name)
+                    per_k += coef
                 elif name == "gathered":  # drafts lengthen contexts by a few slots: taken as the base's
-                    terms.append((coef, "const", float(base.gathered_slots())))
+                    const += coef * base.gathered_slots()
                 elif name in ("attn", "draft_kv"):
-                    terms.append((coef, "sum_kctx", float(getattr(base, name))))
+                    const += coef * getattr(base, name)
+                    per_kctx += coef
                 elif name == "draft_steps":
-                    terms.append((coef, "max_k", float(base.draft_steps)))
+                    const += coef * base.draft_steps
+                    per_draft_step += coef
                 elif name == "draft_levels":
-                    terms.append((coef, "levels", float(tree_levels)))
+                    per_level += coef
                 elif name == "drafting":
-                    terms.append((coef, "drafting", 0.0))
-                elif name == "drafting_requests":  # per drafting request: the controller's activation cost
-                    continue
+                    per_drafting += coef
                 elif name.startswith("hinge"):
-                    terms.append((coef, "hinge", float(base.tokens - int(name[5:]))))
+                    kinks.append((coef, float(base.tokens - int(name[5:])), False))
                 elif name.startswith("jump"):
-                    terms.append((coef, "jump", float(base.tokens - int(name[4:]))))
-        const = sum(c * v for c, kind, v in terms if kind == "const")
+                    kinks.append((coef, float(base.tokens - int(name[4:])), True))
+                # drafting_requests: per drafting request, the controller's activation cost
 
         def cost(sum_k: int, max_k: int, sum_kctx: int) -> float:
-            t = const
-            for c, kind, v in terms:
-                if kind == "sum_k":
-                    t += c * (v + sum_k)
-                elif kind == "sum_kctx":
-                    t += c * (v + sum_kctx)
-                elif kind == "max_k":
-                    t += c * (v + max_k)
-                elif kind == "levels":
-                    t += c * min(v, max_k)
-                elif kind == "drafting":
-                    t += c * (max_k > 0)
-                elif kind == "hinge":
-                    t += c * max(0.0, v + sum_k)
-                elif kind == "jump":
-                    t += c * (v + sum_k > 0)
+            t = const + per_k * sum_k + per_kctx * sum_kctx + per_draft_step * max_k
+            if max_k > 0:
+                t += per_level * min(tree_levels, max_k) + per_drafting
+            for coef, past, jump in kinks:
+                x = past + sum_k
+                if x > 0:
+                    t += coef if jump else coef * x
             return max(t, 1e-6)
 
         return cost
