@@ -256,7 +256,7 @@ def test_a_profile_fits_an_engine_with_just_the_positions_its_steps_take(monkeyp
         profile_engine(llm.engine, ProfileGrid((1,), (33,), (0, 4), 2), progress=False)
 
 
-def test_the_controllers_own_profile_reaches_the_engines_seats(monkeypatch, tmp_path):
+def test_the_controllers_own_profile_reaches_the_engines_seats(monkeypatch, tmp_path, caplog):
     """At saturation every seat decodes: the profile an engine measures for itself reaches its max_num_seqs, a
     cached one that stops short is measured again, and an engine with fewer seats keeps the larger one."""
     from turbospec.tuning import profiler
@@ -272,7 +272,9 @@ def test_the_controllers_own_profile_reaches_the_engines_seats(monkeypatch, tmp_
 
     assert profiled(3) == 3  # the grid's batch 1 (its 4 is more than the engine runs), then the engine's 3 seats
     assert profiled(2) == 3  # the cached profile covers 2 seats
+    assert "measured batches up to 3" not in caplog.text
     assert profiled(5) == 5  # it stops short of 5: measured again, and saved
+    assert "measured batches up to 3, and this engine runs up to 5" in caplog.text  # replacing it is said
     assert profiled(4) == 5  # (the grid's own top)
 
 

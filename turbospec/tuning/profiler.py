@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
 import re
 from dataclasses import dataclass, replace
@@ -33,6 +34,8 @@ from ..host import hardware_name, turbospec_home
 from ..proposers.base import Proposer
 from ..request import Request
 from ..sampling_params import SamplingParams
+
+log = logging.getLogger("turbospec.tuning")
 
 
 @dataclass(frozen=True)
@@ -244,4 +247,8 @@ def load_or_profile(engine: LLMEngine, progress: bool = True, grid: str = "brief
         reachable = max((b for _, b in _grid_points(engine, chosen, profile_ks(engine, chosen))), default=0)
         if model.max_profiled_batch >= reachable:
             return model
+        # (a profile measured with `turbospec profile --batch-sizes` that stops short is replaced too: say so)
+        log.warning("the cached step-time profile measured batches up to %d, and this engine runs up to %d: "
+                    "measuring a %s profile up to %d (saved over it)", model.max_profiled_batch,
+                    engine.config.max_num_seqs, grid, reachable)
     return build_model(engine, chosen, progress)
