@@ -51,8 +51,11 @@ class PhaseTimer:
         self._wrap(engine.verifier, "verify", "verify")
         self._wrap(engine, "_commit", "commit")
         self._wrap(spec, "learn_step_time", "online_fit")
-        features = engine_module.step_features
-        engine_module.step_features = self._timed(features, "step_sample")
+        self._step_features = engine_module.step_features  # a module function: put back by close()
+        engine_module.step_features = self._timed(self._step_features, "step_sample")
+
+    def close(self) -> None:
+        engine_module.step_features = self._step_features
 
     def _timed(self, fn: Callable[..., Any], phase: str) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -136,6 +139,17 @@ def measure(name: str, args: argparse.Namespace, bar: tqdm) -> list[dict[str, An
     warm_up(engine, prompts[0])
     apply_policy(engine, "adaptive")  # the controller (a cached or brief profile) before any timing
     timer = PhaseTimer(engine)
+    try:
+        rows = measure_batches(name, target, spec["method"], engine, timer, prompts, args, bar)
+    finally:
+        timer.close()
+    del llm
+    gc.collect()
+    return rows
+
+
+def measure_batches(name: str, target: str, method: str, engine: Any, timer: PhaseTimer, prompts: list[list[int]],
+                    args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
     rows = []
     for batch in args.batches:
         runs = []
@@ -145,13 +159,11 @@ def measure(name: str, args: argparse.Namespace, bar: tqdm) -> list[dict[str, An
                 run = run_batch(engine, timer, prompts[:batch], args.max_tokens, f"{name}{batch}-{round_}-{policy}")
                 runs.append({"policy": policy, "round": round_, **run})
                 bar.update()
-        rows.append({"workload": name, "target": target, "method": spec["method"], "batch": batch,
+        rows.append({"workload": name, "target": target, "method": method, "batch": batch,
                      "runs": runs, **summarise(runs)})
         bar.write(f"{name} batch {batch}: adaptive / no-spec {rows[-1]['ratio']:.3f}, "
                   f"choice {rows[-1]['choice_ms']:.2f} ms a step ({100 * rows[-1]['choice_share']:.2f}%; "
                   f"{100 * (rows[-1]['decode_choice_share'] or 0):.2f}% of the decode-only steps)")
-    del llm
-    gc.collect()
     return rows
 
 

@@ -27,14 +27,12 @@ from tqdm import tqdm
 from turbospec import SamplingParams
 from turbospec.control.step_time import PARTS, StepFeatures
 
-# a draft step over more tokens than this ran over the prompt (a catch-up), not k - 1 draft tokens
-CATCH_UP_TOKENS = 16
-
-
 def step_kind(f: StepFeatures) -> str:
+    """One request's step: a draft model runs over k - 1 tokens of its own draft and the one or two tokens it has
+    not seen; more than that is a catch-up on the prompt (GoodputController._activation_cost draws the same line)."""
     if f.tokens > f.batch + f.spec_tokens:
         return "prefill"
-    if f.draft_tokens > CATCH_UP_TOKENS:
+    if f.draft_tokens > f.spec_tokens + 2:
         return "catch-up"
     return "speculative" if f.spec_tokens else "plain"
 

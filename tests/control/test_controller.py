@@ -267,15 +267,16 @@ def test_the_controllers_own_profile_reaches_the_engines_seats(monkeypatch, tmp_
     monkeypatch.setitem(profiler.GRIDS, "brief", ProfileGrid((1, 4), (16,), (0, 2), 1))
     config = {"method": "ngram", "num_speculative_tokens": "auto", "max_speculative_tokens": 2}
 
-    def profiled(seats: int) -> int:
-        return _llm(speculative_config=config, max_num_seqs=seats).engine.speculation.controller.model.max_profiled_batch
+    def profiled(seats: int, **kw) -> int:
+        llm = _llm(speculative_config=config, max_num_seqs=seats, **kw)
+        return llm.engine.speculation.controller.model.max_profiled_batch
 
     assert profiled(3) == 3  # the grid's batch 1 (its 4 is more than the engine runs), then the engine's 3 seats
     assert profiled(2) == 3  # the cached profile covers 2 seats
     assert "measured batches up to 3" not in caplog.text
     assert profiled(5) == 5  # it stops short of 5: measured again, and saved
-    assert "measured batches up to 3, and this engine runs up to 5" in caplog.text  # replacing it is said
-    assert profiled(4) == 5  # (the grid's own top)
+    assert "measured batches up to 3, and this engine can be measured up to 5" in caplog.text  # replacing it is said
+    assert profiled(4) == 5  # 4 seats need 4: the cached 5 is kept
 
 
 def test_a_profile_drops_the_steps_another_process_disturbed():

@@ -73,8 +73,9 @@ def choose_lengths(rates: list[list[float]], k_max: list[int], cost: StepCost,
 
 def _draft_order(rates: list[list[float]], k_max: list[int]) -> list[tuple[float, int, int]]:
     """Every draft token the requests may verify as (-expected gain, request, position), in the order a greedy pass
-    takes them: decreasing gain, ties to the lower request. A request's gains only fall with position (every rate
-    is below 1), so this is the merge of its rows that a heap would pop, sorted once for every depth cap."""
+    takes them: decreasing gain, ties to the lower request, then the lower position. A request's gains never rise
+    with position as long as its rates are at most 1 (the estimators clamp them to 0.999), so its positions come in
+    order, and one sort serves every depth cap."""
     order = []
     for i, (r, k) in enumerate(zip(rates, k_max)):
         reach = 1.0

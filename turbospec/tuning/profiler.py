@@ -50,11 +50,15 @@ GRIDS = {
     "brief": ProfileGrid((1, 4, 12), (128,), (0, 1, 2, 4, 6), 3),
     "full": ProfileGrid((1, 2, 4, 8, 16, 32), (64, 512, 1024), (0, 1, 2, 4, 8), 3),
 }
-# The profile the controller measures for itself reaches the engine's max_num_seqs, up to this batch. At
-# saturation every seat decodes; a profile that stopped at 12 priced those steps by extrapolation, and on
-# workload a of benchmarks/goodput_sweep.py (smollm2-135m, n-gram, 16 seats) adaptive drafted at batches of 14-16
-# where no speculation was fastest (goodput_sweep/goodput_sweep_zen4_a.md, 1.079x at 3 req/s).
+# The profile the controller measures for itself reaches the largest decode batch the engine can run, up to this
+# batch. At saturation every seat decodes, and a profile that stopped short (the brief grid's 12) priced those
+# steps by extrapolation: the controller then drafted at batches no step of the profile had shown.
 TOP_BATCH = 32
+
+
+def largest_decode_batch(engine: LLMEngine) -> int:
+    """The most requests one step can decode: a seat each, a token of the step's budget each."""
+    return min(engine.config.max_num_seqs, engine.config.max_num_batched_tokens)
 
 
 # Part of every profile's key: a profile cached by another version of this profiler (other step features, another
@@ -149,7 +153,7 @@ def _grid_points(engine: LLMEngine, grid: ProfileGrid, ks: tuple[int, ...]) -> l
         for b in grid.batch_sizes:
             lengths = [n + steps + k_max + 1 for n in prompt_lengths(ctx, b)]
             blocks = sum(-(-n // engine.config.block_size) for n in lengths)
-            if max(lengths) <= engine.max_model_len and b <= engine.config.max_num_seqs and \
+            if max(lengths) <= engine.max_model_len and b <= largest_decode_batch(engine) and \
                     blocks <= engine.kv.num_blocks:
                 points.append((ctx, b))
     return points
@@ -231,9 +235,9 @@ def build_model(engine: LLMEngine, grid: ProfileGrid, progress: bool = True) -> 
 
 
 def reaching_seats(engine: LLMEngine, grid: ProfileGrid) -> ProfileGrid:
-    """The grid with the engine's max_num_seqs (up to TOP_BATCH) among its batch sizes (those above it are left
-    out when the grid's points are chosen: _grid_points)."""
-    top = min(engine.config.max_num_seqs, TOP_BATCH)
+    """The grid with the engine's largest decode batch (up to TOP_BATCH) among its batch sizes (those above it are
+    left out when the grid's points are chosen: _grid_points)."""
+    top = min(largest_decode_batch(engine), TOP_BATCH)
     return grid if top in grid.batch_sizes else replace(grid, batch_sizes=tuple(sorted({*grid.batch_sizes, top})))
 
 
@@ -248,7 +252,6 @@ def load_or_profile(engine: LLMEngine, progress: bool = True, grid: str = "brief
         if model.max_profiled_batch >= reachable:
             return model
         # (a profile measured with `turbospec profile --batch-sizes` that stops short is replaced too: say so)
-        log.warning("the cached step-time profile measured batches up to %d, and this engine runs up to %d: "
-                    "measuring a %s profile up to %d (saved over it)", model.max_profiled_batch,
-                    engine.config.max_num_seqs, grid, reachable)
+        log.warning("the cached step-time profile measured batches up to %d, and this engine can be measured up to "
+                    "%d: measuring a %s profile (saved over it)", model.max_profiled_batch, reachable, grid)
     return build_model(engine, chosen, progress)
