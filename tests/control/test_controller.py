@@ -277,6 +277,7 @@ def test_the_controllers_own_profile_reaches_the_engines_seats(monkeypatch, tmp_
     assert profiled(5) == 5  # it stops short of 5: measured again, and saved
     assert "measured batches up to 3, and this engine can be measured up to 5" in caplog.text  # replacing it is said
     assert profiled(4) == 5  # 4 seats need 4: the cached 5 is kept
+    assert profiled(8, max_num_batched_tokens=6) == 6  # a step decodes at most its token budget's requests
 
 
 def test_a_profile_drops_the_steps_another_process_disturbed():

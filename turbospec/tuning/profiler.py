@@ -202,6 +202,9 @@ def profile_engine(engine: LLMEngine, grid: ProfileGrid, progress: bool = True, 
                                       SamplingParams(temperature=0, max_tokens=engine.max_model_len - n - 1,
                                                      ignore_eos=True))
                    for n in prompt_lengths(ctx, batch)]
+            # prompts in without drafts: under the last point's k, the decodes' drafts could take a small token
+            # budget (max_num_batched_tokens) before a prompt still prefilling got any, and this loop never ended
+            engine.set_speculation(0)
             while any(engine.requests[r].is_prefilling or engine.requests[r].num_computed_tokens == 0 for r in ids):
                 step()
             # the ks in turn, `repeats` rounds, so a machine drifting over the point's seconds moves every k alike
