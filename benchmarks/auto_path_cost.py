@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from goodput_sweep import WORKLOADS, apply_policy, build_llm, chat_ids, warm_up
+from goodput_sweep import WORKLOADS, apply_policy, chat_ids, controlled, warm_up, workload_llm
 from harness import benchmark_meta, default_out, header_lines, save, table
 from tqdm import tqdm
 
@@ -130,10 +130,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def measure(name: str, args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
     target, spec, prompts_for, _, _, _ = WORKLOADS[name]
-    sweep_args = argparse.Namespace(max_num_seqs=max(args.batches), max_model_len=args.max_model_len)
-    config = {**spec, "num_speculative_tokens": "auto", "max_speculative_tokens": args.max_k}
-    workload = argparse.Namespace(target=target, speculative_config=config, threads=args.threads)
-    llm = build_llm(workload, sweep_args)
+    llm = workload_llm(target, controlled(spec, args.max_k), args.threads, max(args.batches), args.max_model_len)
     engine = llm.engine
     prompts = chat_ids(llm, prompts_for(max(args.batches)))
     warm_up(engine, prompts[0])

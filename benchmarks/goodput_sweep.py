@@ -105,11 +105,16 @@ WORKLOADS: dict[str, tuple[str, dict[str, Any], Any, str, int, int]] = {
 }
 
 
+def controlled(spec: dict[str, Any], max_k: int = MAX_K) -> dict[str, Any]:
+    """A workload's speculative config under the goodput controller, drafting at most max_k."""
+    return {**spec, "num_speculative_tokens": "auto", "max_speculative_tokens": max_k}
+
+
 def build_workloads(args: argparse.Namespace) -> list[Workload]:
     out = []
     for name in args.workloads:
         target, spec, prompts, _, _, _ = WORKLOADS[name]
-        config = {**spec, "num_speculative_tokens": "auto", "max_speculative_tokens": MAX_K}
+        config = controlled(spec)
         out.append(Workload(name, target, config, prompts(getattr(args, f"requests_{name}")),
                             getattr(args, f"max_tokens_{name}"), getattr(args, f"rates_{name}"),
                             getattr(args, f"threads_{name}") or args.threads))
@@ -117,10 +122,14 @@ def build_workloads(args: argparse.Namespace) -> list[Workload]:
 
 
 def build_llm(w: Workload, args: argparse.Namespace) -> LLM:
+    return workload_llm(w.target, w.speculative_config, w.threads, args.max_num_seqs, args.max_model_len)
+
+
+def workload_llm(target: str, speculative_config: dict[str, Any], threads: int, max_num_seqs: int,
+                 max_model_len: int) -> LLM:
     # no prefix caching: every policy replays the same prompts, and a warm cache would favour later runs
-    return LLM(w.target, speculative_config=w.speculative_config, num_threads=w.threads,
-               dtype="bfloat16", max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-               enable_prefix_caching=False, progress=False)
+    return LLM(target, speculative_config=speculative_config, num_threads=threads, dtype="bfloat16",
+               max_num_seqs=max_num_seqs, max_model_len=max_model_len, enable_prefix_caching=False, progress=False)
 
 
 def chat_ids(llm: LLM, prompts: Sequence[BenchPrompt]) -> list[list[int]]:

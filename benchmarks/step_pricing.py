@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from goodput_sweep import WORKLOADS, apply_policy, build_llm, chat_ids, warm_up
+from goodput_sweep import WORKLOADS, apply_policy, chat_ids, controlled, warm_up, workload_llm
 from harness import benchmark_meta, default_out, header_lines, save, table
 from tqdm import tqdm
 
@@ -111,8 +111,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     target, spec, prompts_for, _, _, _ = WORKLOADS[args.workload]
-    config = {**spec, "num_speculative_tokens": "auto", "max_speculative_tokens": max(8, args.k)}
-    llm = build_llm(argparse.Namespace(target=target, speculative_config=config, threads=args.threads), args)
+    llm = workload_llm(target, controlled(spec, max(8, args.k)), args.threads, args.max_num_seqs, args.max_model_len)
     engine = llm.engine
     prompts = chat_ids(llm, prompts_for(args.prompts + 1))
     warm_up(engine, prompts[-1])
