@@ -46,11 +46,14 @@ SHAPES = {  # name: (GGUF type, out features, in features)
 ROWS = (1, 2, 3, 4, 6, 8, 9, 12, 16, 32, 64, 256)
 
 
-def median_ms(fn: Callable[[], Any], repeats: int, flush: torch.Tensor) -> float:
+def median_ms(fn: Callable[[], Any], repeats: int, flush: torch.Tensor | None) -> float:
+    """Median time of `fn`; with `flush`, the weights evicted before each call, else left in the caches by the call
+    before (the kernel's arithmetic alone, where they fit)."""
     fn()
     times = []
     for _ in range(repeats):
-        flush.sum()  # evict the weights: the call reads them from memory
+        if flush is not None:
+            flush.sum()  # evict the weights: the call reads them from memory
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -93,6 +96,8 @@ def main() -> None:
             x = torch.randn(rows, k).to(torch.bfloat16)
             row = {"shape": name, "rows": rows, "records_ms": median_ms(lambda: amx.mm(x), args.repeats, flush),
                    "q8act_ms": median_ms(lambda: q8(x, amx.data), args.repeats, flush) if q8 else None,
+                   "records_cached_ms": median_ms(lambda: amx.mm(x), args.repeats, None),
+                   "q8act_cached_ms": median_ms(lambda: q8(x, amx.data), args.repeats, None) if q8 else None,
                    "no_amx_ms": median_ms(lambda: other.mm(x), args.repeats, flush),
                    "dense_bf16_ms": median_ms(lambda: F.linear(x, dense), args.repeats, flush),
                    "records_bytes": amx.nbytes, "no_amx_bytes": other.nbytes, "dense_bytes": dense.nbytes}
@@ -100,13 +105,26 @@ def main() -> None:
             tqdm.write(f"{name} rows {rows}: records ({path}) {row['records_ms']:.2f} ms, torch int4 / our int8 "
                        f"{row['no_amx_ms']:.2f} ms, "
                        f"dense bf16 {row['dense_bf16_ms']:.2f} ms")
-    meta = benchmark_meta(args.threads, repeats=args.repeats, records_path=path, read_gb_per_s=bandwidth)
+    meta = benchmark_meta(args.threads, repeats=args.repeats, records_path=path, read_gb_per_s=bandwidth,
+                          last_level_cache_bytes=last_level_cache_bytes())
     save(Path(args.out), meta, rows_out, markdown(meta, rows_out))
+
+
+def last_level_cache_bytes() -> int | None:
+    """The largest CPU cache's size as Linux reports it (None where it does not)."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip()
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=None)
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     path = {"amx": "AMX", "dpbf16": "AVX512-BF16", "avx2": "AVX2 FMA"}[meta["records_path"]]
     q8_kernel = "AVX2 vpmaddubsw" if meta["records_path"] == "avx2" else "AVX512-VNNI"
+    cache = meta.get("last_level_cache_bytes")
+    cache_text = f"{cache / 2**20:.0f} MiB" if cache else "not reported here"
     lines = ["# Packed-weight kernels by row count (qwen2.5-coder-1.5b shapes)", "",
              f"- {meta['command']}", f"- {meta['machine']}, {meta['threads']} threads, torch {meta['torch']}, "
              f"{meta['date']}, commit {meta['commit']}",
@@ -116,19 +134,29 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
              f"- streaming read bandwidth of this machine (float32 tensor.sum() over 1 GiB): "
              f"{meta['read_gb_per_s']:.1f} GB/s",
              "- int8 activations: the same records with the activations quantised to int8 (weight format "
-             f"auto-q8act, {q8_kernel}; lossy, never the default)", "",
-             f"| shape | rows | records ({path}, ours) | x 1 row | int8 activations (ours) | x 1 row | "
-             "torch int4 / our int8 | dense bf16 | records / dense |", "|---|---|---|---|---|---|---|---|---|"]
+             f"auto-q8act, {q8_kernel}; lossy, never the default)",
+             "- in cache: the same call with its weights left in the caches by the call before, the kernel's "
+             "arithmetic alone, so the floor of its time from memory (in brackets: over the one-row call from "
+             f"memory); only where the weights fit the last-level cache ({cache_text}), else -", "",
+             f"| shape | rows | records ({path}, ours) | x 1 row | in cache | int8 activations (ours) | x 1 row | "
+             "in cache | torch int4 / our int8 | dense bf16 | records / dense |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     one = {r["shape"]: r["records_ms"] for r in rows if r["rows"] == 1}
     one_q8 = {r["shape"]: r.get("q8act_ms") for r in rows if r["rows"] == 1}
     for r in rows:
         def cell(ms: float, nbytes: int) -> str:
             return f"{ms:.2f} ({nbytes / ms / 1e6:.1f} GB/s)" if r["rows"] == 1 else f"{ms:.2f}"
 
+        def cached(ms: float | None, one_row: float) -> str:
+            fits = cache is not None and r["records_bytes"] <= cache
+            return f"{ms:.2f} ({ms / one_row:.2f}x)" if ms is not None and fits else "-"
+
         q8 = r.get("q8act_ms")
-        q8_cells = (f"{cell(q8, r['records_bytes'])} | {q8 / one_q8[r['shape']]:.2f}" if q8 else "- | -")
+        q8_cells = (f"{cell(q8, r['records_bytes'])} | {q8 / one_q8[r['shape']]:.2f} | "
+                    f"{cached(r.get('q8act_cached_ms'), one_q8[r['shape']])}" if q8 else "- | - | -")
         lines.append(f"| {r['shape']} | {r['rows']} | {cell(r['records_ms'], r['records_bytes'])} | "
-                     f"{r['records_ms'] / one[r['shape']]:.2f} | {q8_cells} | {cell(r['no_amx_ms'], r['no_amx_bytes'])} | "
+                     f"{r['records_ms'] / one[r['shape']]:.2f} | {cached(r.get('records_cached_ms'), one[r['shape']])} | "
+                     f"{q8_cells} | {cell(r['no_amx_ms'], r['no_amx_bytes'])} | "
                      f"{cell(r['dense_bf16_ms'], r['dense_bytes'])} | {r['records_ms'] / r['dense_bf16_ms']:.2f} |")
     lines += ["", "Bytes per weight: records int4 0.625, int6 0.875; torch int4 0.625, our int8 1.25; bf16 2.", ""]
     return "\n".join(lines)

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -65,9 +66,52 @@ struct Quantized {
 };
 
 using QuantizeFn = void (*)(const uint16_t* x, int64_t rows, int64_t k, int8_t* xq, float* scale, int32_t* qsum);
-// Output block nb over all K for the rows of one pass, written to y (bf16, row stride n).
-using PassQ8Fn = void (*)(const Quantized& x, int64_t k, const uint8_t* w, int64_t nb, int64_t groups, uint16_t* y,
-                          int64_t n);
+
+// The quantised activations of one pass of R rows, group by group, so that a kernel instantiated for R finds each
+// value at a constant offset from its group's start (an immediate in the instruction, no per-row address
+// arithmetic, which was most of the instructions of a 9-row pass). Group g starts at g * Q8Layout<R>::kStride:
+//   R x 32 int8 (row i's inputs at 32 i) | R float scales a | R x 2 four-byte offset terms, by the weights' kind:
+//   int4: a * (q0 + q1) as float, twice; int6: a * q_h as float, h = 0, 1; int8: 128 * q_h as int32
+// with q_h the int32 sum of the group's half h of quantised activations.
+constexpr int64_t kQ8RowBytes = 32 + 4 + 8;
+
+template <int R>
+struct Q8Layout {
+  static constexpr int64_t kStride = R * kQ8RowBytes;
+  static const int8_t* x(const uint8_t* group, int i) { return reinterpret_cast<const int8_t*>(group + 32 * i); }
+  static const float* scale(const uint8_t* group, int i) {
+    return reinterpret_cast<const float*>(group + 32 * R + 4 * i);
+  }
+  static const uint8_t* offset(const uint8_t* group, int i, int h) { return group + 36 * R + 8 * i + 4 * h; }
+};
+
+// Lays out rows row0 .. row0 + count - 1 of `q` as Q8Layout<count> in `out` (groups * count * kQ8RowBytes bytes).
+inline void lay_out_pass(const Quantized& q, int kind, int64_t k, int64_t row0, int64_t count, uint8_t* out) {
+  const int64_t groups = k / 32;
+  for (int64_t g = 0; g < groups; ++g) {
+    uint8_t* group = out + g * count * kQ8RowBytes;
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t r = row0 + i, at = r * groups + g;
+      std::memcpy(group + 32 * i, q.xq + r * k + g * 32, 32);
+      const float a = q.scale[at];
+      std::memcpy(group + 32 * count + 4 * i, &a, 4);
+      for (int h = 0; h < 2; ++h) {
+        uint8_t* dst = group + 36 * count + 8 * i + 4 * h;
+        if (kind == kInt8) {
+          const int32_t v = 128 * q.qsum[2 * at + h];
+          std::memcpy(dst, &v, 4);
+        } else {
+          const int32_t sum = kind == kInt4 ? q.qsum[2 * at] + q.qsum[2 * at + 1] : q.qsum[2 * at + h];
+          const float v = a * static_cast<float>(sum);
+          std::memcpy(dst, &v, 4);
+        }
+      }
+    }
+  }
+}
+
+// Output block nb over all K for one pass (activations as Q8Layout<rows>), written to y (bf16, row stride n).
+using PassQ8Fn = void (*)(const uint8_t* acts, const uint8_t* w, int64_t nb, int64_t groups, uint16_t* y, int64_t n);
 
 // The checks every record product makes of its operands; returns y [M, N] (bf16, uninitialised).
 inline at::Tensor records_output(const char* name, const at::Tensor& x, const at::Tensor& w, int kind) {
@@ -79,20 +123,28 @@ inline at::Tensor records_output(const char* name, const at::Tensor& x, const at
   return at::empty({x.size(0), w.size(0) * kTileN}, x.options());
 }
 
+// A call's rows in passes of at most `pass_rows`, as even as possible (9 rows in passes of 8: 4 + 5): (first row, rows).
+inline std::vector<std::pair<int64_t, int>> split_passes(int64_t rows, int64_t pass_rows) {
+  std::vector<std::pair<int64_t, int>> passes;
+  const int64_t count = (rows + pass_rows - 1) / pass_rows;
+  for (int64_t p = 0, row0 = 0; p < count; ++p) {
+    const int64_t size = (rows - row0) / (count - p);
+    passes.emplace_back(row0, static_cast<int>(size));
+    row0 += size;
+  }
+  return passes;
+}
+
 // The output blocks shared between threads, one block at a time (each thread reads one sequential stream of
-// records); each block's rows in passes of at most `pass_rows`, as even as possible (9 rows in passes of 8: 4 + 5),
-// the later passes reading the block's records from cache. pass(nb, first row, rows) runs one pass. The split
-// never changes a row's own arithmetic, so a row's result does not depend on the call's other rows.
+// records); each block's rows in the passes of split_passes, the later passes reading the block's records from
+// cache. pass(nb, first row, rows) runs one pass. The split never changes a row's own arithmetic, so a row's result
+// does not depend on the call's other rows.
 template <typename Pass>
 inline void for_each_pass(int64_t rows, int64_t blocks, int64_t pass_rows, const Pass& pass) {
-  const int64_t passes = (rows + pass_rows - 1) / pass_rows;
+  const auto passes = split_passes(rows, pass_rows);
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t nb = b0; nb < b1; ++nb)
-      for (int64_t p = 0, row0 = 0; p < passes; ++p) {
-        const int64_t count = (rows - row0) / (passes - p);
-        pass(nb, row0, static_cast<int>(count));
-        row0 += count;
-      }
+      for (const auto& [row0, count] : passes) pass(nb, row0, count);
   });
 }
 
@@ -120,11 +172,14 @@ inline void run_q8_passes(const at::Tensor& x_in, const at::Tensor& w, int kind,
   std::vector<float> scale(rows * groups);
   std::vector<int32_t> qsum(rows * groups * 2);
   quantize(reinterpret_cast<const uint16_t*>(x.data_ptr()), rows, k, xq.data(), scale.data(), qsum.data());
+  const Quantized quantized{xq.data(), scale.data(), qsum.data()};
+  std::vector<uint8_t> laid(rows * groups * kQ8RowBytes);  // pass p's layout starts at row0 * groups * kQ8RowBytes
+  for (const auto& [row0, count] : split_passes(rows, pass_rows))
+    lay_out_pass(quantized, kind, k, row0, count, laid.data() + row0 * groups * kQ8RowBytes);
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   for_each_pass(rows, blocks, pass_rows, [&](int64_t nb, int64_t row0, int count) {
-    const Quantized part{xq.data() + row0 * k, scale.data() + row0 * groups, qsum.data() + row0 * groups * 2};
-    pick(kind, count)(part, k, wp, nb, groups, yp + row0 * n, n);
+    pick(kind, count)(laid.data() + row0 * groups * kQ8RowBytes, wp, nb, groups, yp + row0 * n, n);
   });
 }
 

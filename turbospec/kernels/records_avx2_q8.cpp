@@ -97,8 +97,8 @@ TS_AVX2_TARGET inline void quads(__m256i first, __m256i second, __m256i (&q)[2])
 // each row's int8 activations times the weights, in quads' output order (sum[i][0]: outputs 0-3, 8-11; sum[i][1]:
 // 4-7, 12-15).
 template <int KIND, int R>
-TS_AVX2_TARGET inline void group_sums(const uint8_t* record, int h, const int8_t* xq, int64_t x_stride,
-                                      __m256i (&sum)[R][2]) {
+TS_AVX2_TARGET inline void group_sums(const uint8_t* record, int h, const uint8_t* acts, __m256i (&sum)[R][2]) {
+  using L = Q8Layout<R>;
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   if constexpr (KIND == kInt4) {
     // int16 pair sums over all 8 chunks: at most 8 * 2 * 15 * 128 = 30720 per lane half
@@ -109,7 +109,7 @@ TS_AVX2_TARGET inline void group_sums(const uint8_t* record, int h, const int8_t
       __m256i q[2];
       quads(_mm256_and_si256(w, nibble), _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble), q);
       UNROLL for (int i = 0; i < R; ++i) {
-        const __m256i x = quad(xq + i * x_stride, 4 * u);
+        const __m256i x = quad(L::x(acts, i), 4 * u);
         UNROLL for (int e = 0; e < 2; ++e) acc[i][e] = _mm256_add_epi16(acc[i][e], _mm256_maddubs_epi16(q[e], x));
       }
     }
@@ -134,7 +134,7 @@ TS_AVX2_TARGET inline void group_sums(const uint8_t* record, int h, const int8_t
         quads(w[0], w[1], lo);
         quads(w[2], w[3], hi);
         UNROLL for (int i = 0; i < R; ++i) {
-          const __m256i xlo = quad(xq + i * x_stride, 8 * u), xhi = quad(xq + i * x_stride, 8 * u + 4);
+          const __m256i xlo = quad(L::x(acts, i), 8 * u), xhi = quad(L::x(acts, i), 8 * u + 4);
           UNROLL for (int e = 0; e < 2; ++e)  // two pair sums of at most 2 * 63 * 127 each fit int16
             sum[i][e] = _mm256_add_epi32(
                 sum[i][e], _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[e], xlo),
@@ -148,7 +148,7 @@ TS_AVX2_TARGET inline void group_sums(const uint8_t* record, int h, const int8_t
         quads(load(record + 64 * u), load(record + 64 * u + 32), q);
         const __m256i magnitude[2] = {_mm256_abs_epi8(q[0]), _mm256_abs_epi8(q[1])};
         UNROLL for (int i = 0; i < R; ++i) {
-          const __m256i x = quad(xq + i * x_stride, 4 * u);
+          const __m256i x = quad(L::x(acts, i), 4 * u);
           UNROLL for (int e = 0; e < 2; ++e)  // |q| x with q's sign: a pair sum of at most 2 * 128 * 127
             sum[i][e] = _mm256_add_epi32(
                 sum[i][e], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[e], _mm256_sign_epi8(x, q[e])), ones));
@@ -169,12 +169,12 @@ TS_AVX2_TARGET inline void quad_order(const uint8_t* p, __m256 (&v)[2]) {
 // One record against R rows: out[16 i ..] (in quads' output order) += its contribution, as records_dpbf16.cpp's
 // record_pass_q8 computes each output.
 template <int KIND, int R>
-TS_AVX2_TARGET inline void record_pass(const uint8_t* record, const int8_t* xq, int64_t x_stride, const float* a,
-                                       int64_t a_stride, const int32_t* qsum, float* out) {
+TS_AVX2_TARGET inline void record_pass(const uint8_t* record, const uint8_t* acts, float* out) {
+  using L = Q8Layout<R>;
   constexpr int kGroups = KIND == kInt4 ? 1 : 2;
   UNROLL for (int h = 0; h < kGroups; ++h) {
     __m256i sum[R][2];
-    group_sums<KIND, R>(record, h, xq, x_stride, sum);
+    group_sums<KIND, R>(record, h, acts, sum);
     __m256 s[2], c[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     if constexpr (KIND == kInt4) {
       quad_order(record + 256, s);
@@ -187,15 +187,12 @@ TS_AVX2_TARGET inline void record_pass(const uint8_t* record, const int8_t* xq, 
       quad_order(record + 512 + 32 * h, s);
     }
     UNROLL for (int i = 0; i < R; ++i) {
-      const int32_t* qs = qsum + i * a_stride * 2;
-      const float ai = a[i * a_stride];
+      const __m256 a = _mm256_broadcast_ss(L::scale(acts, i));
       UNROLL for (int e = 0; e < 2; ++e) {
         __m256 o = _mm256_load_ps(out + 16 * i + 8 * e);
-        o = _mm256_fmadd_ps(_mm256_mul_ps(s[e], _mm256_set1_ps(ai)), _mm256_cvtepi32_ps(sum[i][e]), o);
-        if constexpr (KIND != kInt8) {
-          const int32_t q = KIND == kInt4 ? qs[0] + qs[1] : qs[h];
-          o = _mm256_fmadd_ps(c[e], _mm256_set1_ps(ai * static_cast<float>(q)), o);
-        }
+        o = _mm256_fmadd_ps(_mm256_mul_ps(s[e], a), _mm256_cvtepi32_ps(sum[i][e]), o);
+        if constexpr (KIND != kInt8)
+          o = _mm256_fmadd_ps(c[e], _mm256_broadcast_ss(reinterpret_cast<const float*>(L::offset(acts, i, h))), o);
         _mm256_store_ps(out + 16 * i + 8 * e, o);
       }
     }
@@ -204,8 +201,8 @@ TS_AVX2_TARGET inline void record_pass(const uint8_t* record, const int8_t* xq, 
 
 // Output block nb over all K for R rows: one sequential stream of records, which the prefetchers follow.
 template <int KIND, int R>
-TS_AVX2_TARGET void block_pass(const Quantized& x, int64_t k, const uint8_t* w, int64_t nb, int64_t groups,
-                               uint16_t* y, int64_t n) {
+TS_AVX2_TARGET void block_pass(const uint8_t* acts, const uint8_t* w, int64_t nb, int64_t groups, uint16_t* y,
+                               int64_t n) {
   constexpr int64_t kBytes = kRecordBytes[KIND];
   alignas(32) float sums[R * kTileN] = {};
   const uint8_t* stream = w + nb * groups * kBytes;
@@ -213,7 +210,7 @@ TS_AVX2_TARGET void block_pass(const Quantized& x, int64_t k, const uint8_t* w, 
     const uint8_t* record = stream + g * kBytes;
     for (int64_t line = 0; line < kBytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(record + kPrefetchAhead * kBytes + line), _MM_HINT_T0);
-    record_pass<KIND, R>(record, x.xq + g * 32, k, x.scale + g, groups, x.qsum + g * 2, sums);
+    record_pass<KIND, R>(record, acts + g * Q8Layout<R>::kStride, sums);
   }
   UNROLL for (int i = 0; i < R; ++i) {  // (0-3, 8-11), (4-7, 12-15) -> 0-7, 8-15
     const __m256 a = _mm256_load_ps(sums + 16 * i), b = _mm256_load_ps(sums + 16 * i + 8);

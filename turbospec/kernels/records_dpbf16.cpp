@@ -267,13 +267,12 @@ TS_VNNI_TARGET void quantize_rows(const uint16_t* x, int64_t rows, int64_t k, in
     }
 }
 
-// One record against R rows: out[16 i ..] += its contribution. xq: row 0's int8 activations of this record, a: row
-// 0's scale of this group, qsum: row 0's pair of half sums of this group's int8 activations. The offsets meet the
-// quantised activations' sums too, so a row's result is the exact dot product of its int8 activations with the
-// file's weights, times the scales.
+// One record against R rows: out[16 i ..] += its contribution. `acts`: this record's group of the pass's activations
+// (Q8Layout<R>). The offsets meet the quantised activations' sums too, so a row's result is the exact dot product of
+// its int8 activations with the file's weights, times the scales.
 template <int KIND, int R>
-TS_VNNI_TARGET inline void record_pass_q8(const uint8_t* record, const int8_t* xq, int64_t x_stride, const float* a,
-                                          int64_t a_stride, const int32_t* qsum, float* out) {
+TS_VNNI_TARGET inline void record_pass_q8(const uint8_t* record, const uint8_t* acts, float* out) {
+  using L = Q8Layout<R>;
   constexpr int kGroups = kScaleGroups[KIND];
   constexpr int kUnits = KIND == kInt6 ? 4 : 8, kGroupUnits = kUnits / kGroups, kLanes = KIND == kInt6 ? 2 : 1;
   UNROLL for (int h = 0; h < kGroups; ++h) {
@@ -290,7 +289,7 @@ TS_VNNI_TARGET inline void record_pass_q8(const uint8_t* record, const int8_t* x
         const int quad = u * kLanes + j;  // inputs 4 quad .. 4 quad + 3
         UNROLL for (int i = 0; i < R; ++i) {
           int32_t xv;
-          std::memcpy(&xv, xq + i * x_stride + 4 * quad, sizeof xv);
+          std::memcpy(&xv, L::x(acts, i) + 4 * quad, sizeof xv);
           part[i][quad % kChains] = _mm512_dpbusd_epi32(part[i][quad % kChains], lanes[j], _mm512_set1_epi32(xv));
         }
       }
@@ -306,25 +305,21 @@ TS_VNNI_TARGET inline void record_pass_q8(const uint8_t* record, const int8_t* x
       s = halves_as_floats(record + 512 + 32 * h);  // (u - 128) s, u = q + 128
     }
     UNROLL for (int i = 0; i < R; ++i) {
-      const int32_t* qs = qsum + i * a_stride * 2;
-      const float ai = a[i * a_stride];
       __m512i sum = part[i][0];
       if constexpr (kChains == 2) sum = _mm512_add_epi32(sum, part[i][1]);
-      if constexpr (KIND == kInt8) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * qs[h]));
+      const uint8_t* offset = L::offset(acts, i, h);
+      if constexpr (KIND == kInt8) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(offset)));
       __m512 o = _mm512_load_ps(out + 16 * i);
-      o = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(ai)), _mm512_cvtepi32_ps(sum), o);
-      if constexpr (KIND != kInt8) {
-        const int32_t q = KIND == kInt4 ? qs[0] + qs[1] : qs[h];
-        o = _mm512_fmadd_ps(c, _mm512_set1_ps(ai * static_cast<float>(q)), o);
-      }
+      o = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(*L::scale(acts, i))), _mm512_cvtepi32_ps(sum), o);
+      if constexpr (KIND != kInt8) o = _mm512_fmadd_ps(c, _mm512_set1_ps(*reinterpret_cast<const float*>(offset)), o);
       _mm512_store_ps(out + 16 * i, o);
     }
   }
 }
 
 template <int KIND, int R>
-TS_VNNI_TARGET void block_pass_q8(const Quantized& x, int64_t k, const uint8_t* w, int64_t nb, int64_t groups,
-                                  uint16_t* y, int64_t n) {
+TS_VNNI_TARGET void block_pass_q8(const uint8_t* acts, const uint8_t* w, int64_t nb, int64_t groups, uint16_t* y,
+                                  int64_t n) {
   constexpr int64_t kBytes = kRecordBytes[KIND];
   alignas(64) float sums[R * kTileN] = {};
   const uint8_t* stream = w + nb * groups * kBytes;
@@ -332,7 +327,7 @@ TS_VNNI_TARGET void block_pass_q8(const Quantized& x, int64_t k, const uint8_t* 
     const uint8_t* record = stream + g * kBytes;
     for (int64_t line = 0; line < kBytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(record + kPrefetchAhead * kBytes + line), _MM_HINT_T0);
-    record_pass_q8<KIND, R>(record, x.xq + g * 32, k, x.scale + g, groups, x.qsum + g * 2, sums);
+    record_pass_q8<KIND, R>(record, acts + g * Q8Layout<R>::kStride, sums);
   }
   UNROLL for (int i = 0; i < R; ++i) store_bf16(y + i * n + nb * kTileN, _mm512_load_ps(sums + 16 * i));
 }
