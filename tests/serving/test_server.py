@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sys
 from collections.abc import Iterator
 
 import httpx
@@ -20,6 +21,7 @@ from spec_prompts import SPEC_PROMPTS
 from turbospec import LLM, SamplingParams
 from turbospec.config import EngineConfig
 from turbospec.engine import LLMEngine
+from turbospec.server.async_engine import GIL_SWITCH_INTERVAL_S
 from turbospec.tuning import build_engine
 
 pytestmark = pytest.mark.slow
@@ -75,6 +77,12 @@ def wait_idle(engine: LLMEngine, timeout: float = 10.0) -> None:
 def test_models_and_health(client: openai.OpenAI, server: LiveServer) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_a_running_server_hands_the_gil_back_to_its_engine_thread_quickly(server: LiveServer) -> None:
+    """The engine thread takes the GIL back after every torch operator; at Python's default switch interval (5 ms)
+    the event loop's thread could hold it that long each time (AsyncEngine.start shortens it)."""
+    assert sys.getswitchinterval() <= GIL_SWITCH_INTERVAL_S < 0.005
 
 
 def test_completion_matches_offline_greedy(client: openai.OpenAI, offline: LLM) -> None:
