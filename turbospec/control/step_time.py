@@ -311,8 +311,7 @@ class StepTimeModel:
                     kinks.append((coef, float(base.tokens - int(name[5:])), False))
                 elif name.startswith("jump"):
                     kinks.append((coef, float(base.tokens - int(name[4:])), True))
-                elif name == "drafting_requests":  # per drafting request: the controller's activation cost
-                    pass
+                # drafting_requests: per drafting request, the controller's activation cost (not here)
 
         def cost(sum_k: int, max_k: int, sum_kctx: int) -> float:
             t = const + per_k * sum_k + per_kctx * sum_kctx + per_draft_step * max_k

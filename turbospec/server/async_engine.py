@@ -28,9 +28,8 @@ log = logging.getLogger("turbospec.server")
 IDLE_WAIT_S = 0.5  # how long the idle engine thread sleeps between checks for new commands
 # How long the event loop's thread may hold the GIL while the engine thread waits for it. The engine thread lets
 # go of the GIL in every torch operator (hundreds a step) and must take it back after each; at Python's default
-# of 5 ms the event loop's thread, busy streaming tokens, may keep it waiting that long after any of them, and
-# steps that verify drafts, with more Python between operators, lost the most. Served smollm2-135m at 3 req/s with
-# 2 threads, adaptive speculation went from 1.20x no speculation's mean latency
+# of 5 ms the event loop's thread, busy streaming tokens, may keep it waiting that long after any of them. Served
+# smollm2-135m at 3 req/s with 2 threads, adaptive speculation went from 1.20x no speculation's mean latency
 # (benchmarks/results/goodput_sweep/goodput_served_zen4_a.md) to 0.95x (goodput_served_zen4_a_gil.md).
 GIL_SWITCH_INTERVAL_S = 0.0002
 
