@@ -117,7 +117,7 @@ def test_the_measured_limit_is_cached_per_machine(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "_bf16_limits", {})
     monkeypatch.setattr(kernels, "BF16_PROBE_SHAPES", ((64, 128),))
     monkeypatch.setattr(kernels, "BF16_PROBE_ROWS", (1, 2, 4))
-    monkeypatch.setattr(kernels, "BF16_PROBE_BYTES", 1 << 20)  # 64 copies streamed, not the 96 MB a machine gets
+    monkeypatch.setattr("turbospec.host.STREAM_POOL_BYTES", 1 << 20)  # 64 copies streamed, not the 96 MB a machine gets
     limit = kernels.bf16_rows_limit()
     files = list((tmp_path / "kernels").glob("bf16-rows-*.json"))
     assert len(files) == 1 and limit in (0, 1, 2, 4, float("inf"))
@@ -154,7 +154,7 @@ def test_where_it_cannot_run_no_call_reaches_it(monkeypatch):
 
 
 def test_the_limit_probe_streams_its_weights_at_verification_sizes(monkeypatch, tmp_path):
-    """Up to BF16_STREAMED_ROWS rows each timed call reads copies of the weight adding up to BF16_PROBE_BYTES (a
+    """Up to BF16_STREAMED_ROWS rows each timed call reads copies of the weight adding up to host.STREAM_POOL_BYTES (a
     model's weights come from memory; one small probe weight stays in cache, where torch's product is at its best
     and stopped ours at 8 rows on a Zen 4); prefill sizes time one copy."""
     monkeypatch.setenv("TURBOSPEC_HOME", str(tmp_path))
@@ -162,7 +162,7 @@ def test_the_limit_probe_streams_its_weights_at_verification_sizes(monkeypatch, 
     monkeypatch.setattr(kernels, "BF16_PROBE_SHAPES", ((64, 128),))
     monkeypatch.setattr(kernels, "BF16_PROBE_ROWS", (1, 2, 64))
     monkeypatch.setattr(kernels, "BF16_STREAMED_ROWS", 2)
-    monkeypatch.setattr(kernels, "BF16_PROBE_BYTES", 4 * 64 * 128 * 2)  # four copies of the bf16 weight
+    monkeypatch.setattr("turbospec.host.STREAM_POOL_BYTES", 4 * 64 * 128 * 2)  # four copies of the bf16 weight
     weights: dict[int, set[int]] = {}
     real = kernels.bf16_rows_mm
 

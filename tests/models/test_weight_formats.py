@@ -289,6 +289,60 @@ def test_prefill_sizes_run_packed_from_where_packed_won_at_every_larger_one():
     assert not PackedWeight([], max_rows=12).runs_packed(500)
 
 
+def test_a_packed_weights_clone_holds_its_own_copy_of_the_same_values():
+    groups = [gguf_blocks.decode(random_blocks(t, 16, 256, seed=i), t, 16, 256) for i, t in enumerate(("Q4_K", "Q6_K"))]
+    packed = pack(groups, torch.bfloat16)
+    packed.max_rows, packed.gemm_rows = 12, 64
+    twin = packed.clone()
+    x = torch.randn(3, 256).bfloat16()
+    assert twin.signature == packed.signature and (twin.max_rows, twin.gemm_rows) == (12, 64)
+    assert torch.equal(twin.mm(x), packed.mm(x))
+    for a, b in zip(packed.parts, twin.parts):
+        for name, t in a.tensors().items():
+            assert b.tensors()[name].data_ptr() != t.data_ptr()
+
+
+def test_crossover_timings_read_decode_sizes_from_memory_and_compare_a_call_with_a_call(monkeypatch):
+    """Up to ROWS[-1] rows each side is timed over copies of its weight adding up to host.STREAM_POOL_BYTES, as a
+    model's step reads its weights (timed alone, qwen2.5-coder-0.5b's Q5_0 gate|up stayed in the Zen 4's cache,
+    lost to bf16 there and ran bf16 in every decode step at twice the packed cost); prefill sizes time one copy.
+    The packed pool holds more copies (its weight is smaller): the comparison is per call, not per pool."""
+    from turbospec.models import crossover
+
+    groups = [gguf_blocks.decode(random_blocks("Q4_K", 32, 256), "Q4_K", 32, 256)]
+    packed, dense = pack(groups, torch.bfloat16), _dense_reference(groups).bfloat16()
+    monkeypatch.setattr("turbospec.host.STREAM_POOL_BYTES", 4 * dense.nbytes)  # 4 dense copies, more packed ones
+    seen: dict[str, set[int]] = {"packed": set(), "dense": set()}
+    calls = {"packed": 0, "dense": 0}
+    real_mm = PackedWeight.mm
+
+    def packed_mm(self, x, bias=None):
+        seen["packed"].add(next(iter(self.parts[0].tensors().values())).data_ptr())
+        calls["packed"] += 1
+        return real_mm(self, x, bias)
+
+    def dense_mm(x, w):
+        seen["dense"].add(w.data_ptr())
+        calls["dense"] += 1
+        return x @ w.T
+
+    def packed_a_call_faster(fns, repeats):  # a packed call takes 1 ms, a dense one 2 ms: pools sum their calls
+        calls.update(packed=0, dense=0)
+        fns[0]()
+        fns[1]()
+        return [1.0 * calls["packed"], 2.0 * calls["dense"]]
+
+    monkeypatch.setattr(PackedWeight, "mm", packed_mm)
+    monkeypatch.setattr(crossover, "row_linear", dense_mm)
+    monkeypatch.setattr(crossover, "best_ms", packed_a_call_faster)
+    timings = crossover.measure(packed, dense)
+    assert len(seen["dense"]) == 4 and len(seen["packed"]) > 4  # the packed weight is a fraction of the dense one
+    assert crossover_rows(timings) == ROWS[-1] and all(t == (1.0, 2.0) for t in timings.values())
+    seen = {"packed": set(), "dense": set()}
+    crossover.measure(packed, dense, GEMM_ROWS, repeats=1)
+    assert len(seen["dense"]) == 1 and len(seen["packed"]) == 1
+
+
 def test_two_processes_saving_crossovers_keep_each_others_entries(tmp_path):
     """Each process reads the file when it loads a model and measures its own signatures; the later save must
     not drop what the other measured meanwhile (two pytest workers, two replicas)."""

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .. import cpu_path
-from ..host import best_ms, hardware_name, measured_once, turbospec_home
+from ..host import best_ms, hardware_name, measured_once, past_the_cache, turbospec_home
 
 log = logging.getLogger("turbospec.kernels")
 
@@ -192,13 +192,11 @@ _NO_FUSED = os.environ.get("TURBOSPEC_NO_FUSED") == "1"  # read once: the layers
 BF16_PROBE_SHAPES = ((2048, 1536), (1536, 4096))  # (out, in)
 BF16_PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
 # Up to this many rows a probe streams its weight from memory, as a model's decode and verification steps do:
-# each timed call runs the product over copies of the weight adding up to BF16_PROBE_BYTES, more than a CPU's
-# last-level cache. One 6 MB weight stays in cache, where torch's packed product is at its best: on an AMD EPYC
+# each timed call runs the product over copies of the weight (host.past_the_cache). One 6 MB weight stays in cache, where torch's packed product is at its best: on an AMD EPYC
 # with AVX512_BF16 (2026-12-03) the cached probe stopped our kernel at 8 rows (ad hoc; streamed: 16-24), while on
 # the model's weights it was 2-3x faster than torch's from 4 to 16 rows (benchmarks/results/bf16_rows/bf16_rows_avx512bf16.md),
 # so a 9-row verification ran torch's.
 BF16_STREAMED_ROWS = 32
-BF16_PROBE_BYTES = 96 << 20
 _bf16_limits: dict[int, float] = {}  # torch threads -> rows limit, for this process
 
 
@@ -230,8 +228,7 @@ def _probe_bf16_limit() -> dict[str, object]:
     limit, timings = float("inf"), {}
     for out_features, in_features in BF16_PROBE_SHAPES:
         w = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
-        copies = max(1, BF16_PROBE_BYTES // (w.numel() * w.element_size()))
-        streamed = [w] + [w.clone() for _ in range(copies - 1)]
+        streamed = past_the_cache(w, w.nbytes, torch.Tensor.clone)
         for i, rows in enumerate(BF16_PROBE_ROWS):
             if rows > limit:
                 break

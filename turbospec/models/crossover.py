@@ -1,8 +1,9 @@
 """Where packed kernels stop paying: measured per weight shape, cached per machine.
 
 For each packed signature (kinds and shapes of its parts) we time the packed product and the dense one on
-the same random activations for 1..32 rows, and keep the largest row count up to which packed was faster
-at every count. Nothing is hard-coded: on a CPU where the int4 kernel loses even at one row, the crossover
+the same random activations for 1..32 rows, each weight read from memory as in a model's step (one weight timed
+alone stays in the cache, where a dense bf16 product can beat a packed one that reads a third of its bytes), and
+keep the largest row count up to which packed was faster at every count. Nothing is hard-coded: on a CPU where the int4 kernel loses even at one row, the crossover
 is 0 and the linear runs dense. Then the prefill sizes (48, 64, 128, 256 rows), largest first: calls from the
 smallest size from which packed won at every larger one run packed too (our AMX kernel expands the weights once
 per call and runs a GEMM: it reads a quarter of the bytes; on CPUs without AMX the dense bf16 matmul is the slow
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..host import best_ms, exclusive_lock, hardware_name, turbospec_home, write_text_atomically
+from ..host import best_ms, exclusive_lock, hardware_name, past_the_cache, turbospec_home, write_text_atomically
 from .layers import row_linear
 from .packed import PackedWeight
 
@@ -37,13 +38,22 @@ class Crossover:
 
 def measure(packed: PackedWeight, dense: torch.Tensor, row_counts: tuple[int, ...] = ROWS, repeats: int = 5,
             max_losses: int = 2) -> dict[int, tuple[float, float]]:
-    """rows -> (packed ms, dense ms), stopping once packed has lost `max_losses` times."""
+    """rows -> (packed ms, dense ms) a call, stopping once packed has lost `max_losses` times.
+
+    Decode and verification sizes (up to ROWS[-1]) time each side over copies of its weight adding up to more
+    than the last-level cache (host.past_the_cache), so that every call reads its weight from memory as a model's
+    step does; prefill sizes, compute-bound, time one copy."""
     gen = torch.Generator().manual_seed(0)
     out: dict[int, tuple[float, float]] = {}
     losses = 0
+    streamed = (past_the_cache(packed, packed.nbytes, PackedWeight.clone),
+                past_the_cache(dense, dense.nbytes, torch.Tensor.clone)) if min(row_counts) <= ROWS[-1] else None
     for rows in row_counts:
         x = torch.randn(rows, dense.shape[1], generator=gen).to(dense.dtype)
-        p, d = best_ms((lambda: packed.mm(x), lambda: row_linear(x, dense)), repeats)  # the dense path as run
+        packs, denses = streamed if streamed and rows <= ROWS[-1] else ([packed], [dense])
+        pool_p, pool_d = best_ms((lambda: [w.mm(x) for w in packs], lambda: [row_linear(x, w) for w in denses]),
+                                 repeats)  # (the dense path as run)
+        p, d = pool_p / len(packs), pool_d / len(denses)
         out[rows] = (p, d)
         losses += p >= d
         if losses >= max_losses:
@@ -128,6 +138,8 @@ def cache_path(dtype: torch.dtype) -> Path:
     dense = f"|{kernels.bf16_rows_limit()}" if dtype == torch.bfloat16 else ""  # (other dtypes: keys as before)
     # the records' kernel (AMX, AVX512-BF16, AVX2) is switched per process on one machine: its own key
     records = f"|records-{kernels.records_path()}"
-    key = f"{hardware_name('cpu')}|{torch.get_num_threads()}|{torch.__version__}|{dtype}|{kernel}|best{dense}{records}"
+    # "streamed": decode sizes timed with the weights read from memory (files timed in cache are measured again)
+    key = (f"{hardware_name('cpu')}|{torch.get_num_threads()}|{torch.__version__}|{dtype}|{kernel}|best{dense}"
+           f"{records}|streamed")
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return turbospec_home() / "kernels" / f"crossover-{str(dtype).removeprefix('torch.')}-{digest}.json"

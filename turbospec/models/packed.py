@@ -13,6 +13,7 @@ may mix block types: Q4_K_M files keep some v and down projections in Q6_K.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -290,6 +291,17 @@ class PackedWeight:
         outs = [p.mm(x) for p in self.parts]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y if bias is None else y + bias.to(y.dtype)
+
+    def clone(self) -> PackedWeight:
+        """A copy in memory of its own (the same kernels, values and crossover): for timing it as a model runs it,
+        streamed from memory (models/crossover.py)."""
+        parts = []
+        for part in self.parts:
+            twin = copy.copy(part)
+            for name, t in part.tensors().items():  # each part holds its tensors under these attribute names
+                setattr(twin, name, t.clone())
+            parts.append(twin)
+        return PackedWeight(parts, self.max_rows, self.gemm_rows)
 
     def take_rows(self, rows: np.ndarray) -> PackedWeight | None:
         """A packed weight of these output rows (same values and kinds), or None when a part cannot be cut (torch's
