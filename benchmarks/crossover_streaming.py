@@ -40,7 +40,8 @@ VARIANTS = ("in_cache", "streamed")
 
 
 def packed_linears(net: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in net.modules() if getattr(m, "packed", None) is not None and getattr(m, "weight", None) is not None]
+    return [m for m in net.modules()
+            if getattr(m, "packed", None) is not None and getattr(m, "weight", None) is not None]
 
 
 def crossovers(modules: list[torch.nn.Module], earlier: dict[str, Any] | None) -> dict[str, dict[str, int]]:
@@ -123,7 +124,8 @@ def summary(result: dict[str, Any], rows: list[int]) -> list[list[Any]]:
         mine = [r for r in result["rounds"] if r["variant"] == variant]
         rows_ms = [statistics.median(r["linears_ms"][n] for r in mine) for n in rows]
         crossover = sorted(set(result["crossover"][variant].values()))
-        out.append([result["model"], "earlier file" if variant == "file" else variant.replace("_", " "), ", ".join(map(str, crossover)),
+        name = "earlier file" if variant == "file" else variant.replace("_", " ")
+        out.append([result["model"], name, ", ".join(map(str, crossover)),
                     f"{statistics.median(r['decode_ms'] for r in mine):.1f}", *(f"{ms:.2f}" for ms in rows_ms)])
     return out
 

@@ -192,7 +192,8 @@ _NO_FUSED = os.environ.get("TURBOSPEC_NO_FUSED") == "1"  # read once: the layers
 BF16_PROBE_SHAPES = ((2048, 1536), (1536, 4096))  # (out, in)
 BF16_PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
 # Up to this many rows a probe streams its weight from memory, as a model's decode and verification steps do:
-# each timed call runs the product over copies of the weight (host.past_the_cache). One 6 MB weight stays in cache, where torch's packed product is at its best: on an AMD EPYC
+# each timed call runs the product over copies of the weight (host.past_the_cache). One 6 MB weight stays in
+# cache, where torch's packed product is at its best: on an AMD EPYC
 # with AVX512_BF16 (2026-12-03) the cached probe stopped our kernel at 8 rows (ad hoc; streamed: 16-24), while on
 # the model's weights it was 2-3x faster than torch's from 4 to 16 rows (benchmarks/results/bf16_rows/bf16_rows_avx512bf16.md),
 # so a 9-row verification ran torch's.

@@ -1,17 +1,17 @@
 """Where packed kernels stop paying: measured per weight shape, cached per machine.
 
-For each packed signature (kinds and shapes of its parts) we time the packed product and the dense one on
-the same random activations for 1..32 rows, each weight read from memory as in a model's step (one weight timed
-alone stays in the cache, where a dense bf16 product can beat a packed one that reads a third of its bytes), and
-keep the largest row count up to which packed was faster at every count. Nothing is hard-coded: on a CPU where the int4 kernel loses even at one row, the crossover
-is 0 and the linear runs dense. Then the prefill sizes (48, 64, 128, 256 rows), largest first: calls from the
-smallest size from which packed won at every larger one run packed too (our AMX kernel expands the weights once
-per call and runs a GEMM: it reads a quarter of the bytes; on CPUs without AMX the dense bf16 matmul is the slow
-side). Where packed won at every decode count and every prefill size, the counts between (33..47) run packed as
-well: a chat prompt is often that long, and on 2 cores without AVX-512 the dense product costs several times
-the packed one there (results/packed_kernels/packed_kernels_zen4_avx2.md: the 17920 x 1536 gate|up at 16 rows
-20.8 ms dense, 2.9 ms packed with int8 activations).
-Measured once per (signature, dtype, threads, hardware, torch); a 1.5B model's six signatures take a few seconds.
+For each packed signature (kinds and shapes of its parts) we time the packed product and the dense one on the same
+random activations for 1..32 rows, each weight read from memory as in a model's step (one weight timed alone stays
+in the cache, where a dense bf16 product can beat a packed one that reads a third of its bytes), and keep the
+largest row count up to which packed was faster at every count. Nothing is hard-coded: on a CPU where the int4
+kernel loses even at one row, the crossover is 0 and the linear runs dense. Then the prefill sizes (48, 64, 128,
+256 rows), largest first: calls from the smallest size from which packed won at every larger one run packed too
+(our AMX kernel expands the weights once per call and runs a GEMM: it reads a quarter of the bytes; on CPUs without
+AMX the dense bf16 matmul is the slow side). Where packed won at every decode count and every prefill size, the
+counts between (33..47) run packed as well: a chat prompt is often that long, and on 2 cores without AVX-512 the
+dense product costs several times the packed one there (results/packed_kernels/packed_kernels_zen4_avx2.md: the
+17920 x 1536 gate|up at 16 rows 20.8 ms dense, 2.9 ms packed with int8 activations). Measured once per (signature,
+dtype, threads, hardware, torch); a 1.5B model's six signatures take a few seconds.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ from .layers import row_linear
 from .packed import PackedWeight
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)  # decode and verification
+# A timed pass over a weight's copies takes at most about this long: a call slow enough to need fewer copies is
+# compute-bound, in cache or not (torch's int4 kernel in float32 at 32 rows: a pool of a small weight's hundreds of
+# copies took minutes per signature).
+POOL_PASS_S = 0.02
 GEMM_ROWS = (48, 64, 128, 256)  # prefill chunks (48: a short chat prompt)
 
 
@@ -42,7 +46,7 @@ def measure(packed: PackedWeight, dense: torch.Tensor, row_counts: tuple[int, ..
 
     Decode and verification sizes (up to ROWS[-1]) time each side over copies of its weight adding up to more
     than the last-level cache (host.past_the_cache), so that every call reads its weight from memory as a model's
-    step does; prefill sizes, compute-bound, time one copy."""
+    step does, as many as a pass of POOL_PASS_S holds; prefill sizes, compute-bound, time one copy."""
     gen = torch.Generator().manual_seed(0)
     out: dict[int, tuple[float, float]] = {}
     losses = 0
@@ -50,7 +54,10 @@ def measure(packed: PackedWeight, dense: torch.Tensor, row_counts: tuple[int, ..
                 past_the_cache(dense, dense.nbytes, torch.Tensor.clone)) if min(row_counts) <= ROWS[-1] else None
     for rows in row_counts:
         x = torch.randn(rows, dense.shape[1], generator=gen).to(dense.dtype)
-        packs, denses = streamed if streamed and rows <= ROWS[-1] else ([packed], [dense])
+        packs, denses = [packed], [dense]
+        if streamed and rows <= ROWS[-1]:
+            one_p, one_d = best_ms((lambda: packed.mm(x), lambda: row_linear(x, dense)), 1)
+            packs, denses = streamed[0][:_copies(one_p)], streamed[1][:_copies(one_d)]
         pool_p, pool_d = best_ms((lambda: [w.mm(x) for w in packs], lambda: [row_linear(x, w) for w in denses]),
                                  repeats)  # (the dense path as run)
         p, d = pool_p / len(packs), pool_d / len(denses)
@@ -59,6 +66,11 @@ def measure(packed: PackedWeight, dense: torch.Tensor, row_counts: tuple[int, ..
         if losses >= max_losses:
             break
     return out
+
+
+def _copies(call_ms: float) -> int:
+    """How many copies one timed pass may run, for calls of call_ms each (POOL_PASS_S)."""
+    return max(1, int(POOL_PASS_S * 1e3 / max(call_ms, 1e-6)))
 
 
 def crossover_rows(timings: dict[int, tuple[float, float]]) -> int:
