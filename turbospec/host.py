@@ -65,8 +65,8 @@ def past_the_cache(first: T, nbytes: int, clone: Callable[[T], T]) -> list[T]:
     """`first` and copies of it (`clone`) adding up to at least STREAM_POOL_BYTES, for timing a product as a model's
     step runs it: every weight read from memory once. A weight timed alone stays in the cache after the first call, and
     there an unpacked bf16 product beats a packed one that reads a third of the bytes (qwen2.5-coder-0.5b's
-    9728 x 896 gate|up: 0.138 ms bf16 against 0.144 ms Q5_0 records in cache on the Zen 4, so the model's 24 gate|up
-    products ran bf16 at ~0.7 ms each in its decode steps)."""
+    9728 x 896 gate|up on the Zen 4: 0.138 ms bf16 against 0.144 ms Q5_0 records in cache, so it ran bf16 and the
+    model decoded at 36.0 ms/token against 18.5 when timed streamed: benchmarks/results/crossover_streaming)."""
     return [first] + [clone(first) for _ in range(max(1, STREAM_POOL_BYTES // max(nbytes, 1)) - 1)]
 
 

@@ -341,6 +341,19 @@ def test_crossover_timings_read_decode_sizes_from_memory_and_compare_a_call_with
     seen = {"packed": set(), "dense": set()}
     crossover.measure(packed, dense, GEMM_ROWS, repeats=1)
     assert len(seen["dense"]) == 1 and len(seen["packed"]) == 1
+    # a call so slow that a pass of POOL_PASS_S holds two of them (compute-bound): two copies, not the whole pool
+    slow_ms = crossover.POOL_PASS_S * 1e3 / 2
+
+    def slow_calls(fns, repeats):
+        calls.update(packed=0, dense=0)
+        fns[0]()
+        fns[1]()
+        return [slow_ms * calls["packed"], 2 * slow_ms * calls["dense"]]
+
+    monkeypatch.setattr(crossover, "best_ms", slow_calls)
+    seen = {"packed": set(), "dense": set()}
+    crossover.measure(packed, dense, (1,))
+    assert len(seen["packed"]) == 2 and len(seen["dense"]) == 1
 
 
 def test_two_processes_saving_crossovers_keep_each_others_entries(tmp_path):

@@ -28,9 +28,8 @@ from .packed import PackedWeight
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)  # decode and verification
 # A timed pass over a weight's copies takes at most about this long: a call slow enough to need fewer copies is
-# compute-bound, in cache or not. Without the cap a test worker loading qwen2.5-coder-1.5b in float32 (torch's int4
-# kernel) was still in this measurement after 5 minutes; with it the whole measurement takes 89 s on 2 Zen 4
-# threads, 55 of them at the prefill sizes, timed on one copy as before.
+# compute-bound, in cache or not, and without the cap a slow product (torch's int4 kernel in float32, at 32 rows)
+# would run once per copy of a small weight, hundreds of times a pass.
 POOL_PASS_S = 0.02
 GEMM_ROWS = (48, 64, 128, 256)  # prefill chunks (48: a short chat prompt)
 
