@@ -17,13 +17,11 @@ import json
 import os
 import random
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-from harness import alternating, benchmark_meta, default_out, header_lines, save
+from harness import benchmark_meta, default_out, header_lines, save
+from harness.kernel_ab import rounds_note, run_rounds, table_lines, use_source
 
 SOURCE = Path("turbospec/kernels/grouped_int8.cpp")
 SHAPES = [(151936, 1536), (1536, 8960), (256, 1536)]  # LM head, down projection, a v projection's int8 rows
@@ -48,10 +46,7 @@ def worker(source: str, threads: int, steps: int) -> dict:
     from turbospec import kernels
 
     torch.set_num_threads(threads)
-    # this variant's int8 source with the current other kernels; the build directory is keyed by the sources' hash
-    kernels.SOURCES = [Path(source), *(p for p in kernels.SOURCES if p.name != SOURCE.name)]
-    if kernels.load() is None:
-        raise SystemExit(f"kernel build failed: {kernels.failure()}")
+    use_source(source)  # this variant's int8 source with the current other kernels
 
     gen = torch.Generator().manual_seed(0)
     op: dict[str, float] = {}
@@ -68,7 +63,7 @@ def worker(source: str, threads: int, steps: int) -> dict:
 
     engine = build_engine(EngineConfig(MODEL, num_threads=threads), progress=False)
     step_ms = decode_step_ms(engine, [200], random.Random(0), steps)
-    return {"op_ms": op, "decode_step_ms": step_ms}
+    return {"op_ms": op, "decode_step_ms": {f"{MODEL} plain decode step (engine, auto weights)": step_ms}}
 
 
 def main() -> None:
@@ -83,32 +78,11 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.worker, args.threads, args.steps)))
         return
-    old = subprocess.run(["git", "show", f"{args.baseline}:{SOURCE}"], capture_output=True, text=True, check=True)
-    tmp = Path(tempfile.mkdtemp(prefix="int8_ab_")) / "grouped_int8.cpp"
-    tmp.write_text(old.stdout)
-    variants = {f"baseline ({args.baseline})": str(tmp), "current": str(SOURCE.resolve())}
-    results: dict[str, list[dict]] = {name: [] for name in variants}
-    for r in range(args.rounds):
-        for name in alternating(list(variants), r):
-            source = variants[name]
-            out = subprocess.run([sys.executable, __file__, "--worker", source, "--threads", str(args.threads),
-                                  "--steps", str(args.steps)], capture_output=True, text=True, check=True)
-            results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(f"round {r} {name}: decode step {results[name][-1]['decode_step_ms']:.1f} ms", flush=True)
+    results = run_rounds(__file__, SOURCE, args.baseline, args.rounds,
+                         ["--threads", str(args.threads), "--steps", str(args.steps)])
     meta = benchmark_meta(args.threads, model=MODEL, baseline=args.baseline, rounds=args.rounds)
-    base, cur = results.values()
-
-    def med(runs: list[dict], key: str) -> float:
-        return statistics.median(run["op_ms"][key] if key != "decode" else run["decode_step_ms"] for run in runs)
-
     lines = ["# Grouped int8 kernel: A/B against an earlier version, alternating processes", "", *header_lines(meta),
-             f"- medians over {args.rounds} alternating rounds (the order reversed every round); op times are each "
-             "round's median of repeated calls",
-             "", "| measurement | baseline ms | current ms | baseline / current |", "|---|---|---|---|"]
-    for key in [*base[0]["op_ms"], "decode"]:
-        b, c = med(base, key), med(cur, key)
-        label = key if key != "decode" else f"{MODEL} plain decode step (engine, auto weights)"
-        lines.append(f"| {label} | {b:.2f} | {c:.2f} | {b / c:.2f}x |")
+             rounds_note(args.rounds), "", *table_lines(results)]
     save(Path(args.out), meta, [results], "\n".join(lines) + "\n")
 
 

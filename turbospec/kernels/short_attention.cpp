@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -111,7 +112,7 @@ TS_CLONES void attend(const T* q, int64_t q_stride, const T* k_cache, const T* v
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#define TS_AVX512 __attribute__((target("avx512f,avx512bw")))
+#define TS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 #include <immintrin.h>
 
 TS_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -137,33 +138,9 @@ TS_AVX512 inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-100.f), _CMP_GT_OQ), e);
 }
 
-// The rows [r0, r1) of one KV head's query rows (row r: query r / group of head h0 + r % group) against its L keys:
-// every key and value is widened once for all the rows that share it. scores: R * L, acc: R * D floats of scratch.
-template <typename T>
-TS_AVX512 void attend_kv_head(const T* q, int64_t q_stride, int64_t group, const T* k_cache, const T* v_cache,
-                              int64_t slot_stride, const int64_t* slots, const bool* mask, int64_t r0, int64_t r1,
-                              int64_t length, int64_t dim, float scale, float* qf, float* scores, float* acc, T* out) {
-  const int64_t rows = r1 - r0, blocks = dim / kLanes;
+// Each row of scores [rows, L] (masked keys at -inf) turned into its softmax in place.
+TS_AVX512 void softmax_rows(float* scores, int64_t rows, int64_t length) {
   const float minus_inf = -std::numeric_limits<float>::infinity();
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t row = r0 + r;
-    const T* src = q + (row / group) * q_stride + (row % group) * dim;
-    for (int64_t c = 0; c < blocks; ++c)
-      _mm512_storeu_ps(qf + r * dim + c * kLanes, _mm512_mul_ps(load16(src + c * kLanes), _mm512_set1_ps(scale)));
-  }
-  for (int64_t l = 0; l < length; ++l) {
-    const T* key = k_cache + slots[l] * slot_stride;
-    for (int64_t r = 0; r < rows; ++r) {
-      if (!mask[((r0 + r) / group) * length + l]) {
-        scores[r * length + l] = minus_inf;
-        continue;
-      }
-      __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qf + r * dim), load16(key));
-      for (int64_t c = 1; c < blocks; ++c)
-        sum = _mm512_fmadd_ps(_mm512_loadu_ps(qf + r * dim + c * kLanes), load16(key + c * kLanes), sum);
-      scores[r * length + l] = _mm512_reduce_add_ps(sum);
-    }
-  }
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * length;
     __m512 top = _mm512_set1_ps(minus_inf);
@@ -186,17 +163,171 @@ TS_AVX512 void attend_kv_head(const T* q, int64_t q_stride, int64_t group, const
     }
     const float inv = 1.f / _mm512_reduce_add_ps(total);  // the max's own term is 1: never zero
     for (l = 0; l < length; ++l) s[l] *= inv;
-    for (int64_t c = 0; c < blocks; ++c) _mm512_storeu_ps(acc + r * dim + c * kLanes, _mm512_setzero_ps());
   }
-  for (int64_t l = 0; l < length; ++l) {
-    const T* value = v_cache + slots[l] * slot_stride;
+}
+
+// Lane j of the result: the sum of the 16 lanes of v[j] (16 dot products' partial sums, one per key), by a
+// transposing tree of adds: 45 shuffles and adds for 16 sums, where one horizontal sum each costs about 10.
+TS_AVX512 inline __m512 reduce16(const float* v) {
+  __m512 t[8], u[4];
+  for (int j = 0; j < 8; ++j) {
+    const __m512 a = _mm512_loadu_ps(v + 32 * j), b = _mm512_loadu_ps(v + 32 * j + 16);
+    t[j] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // per 128 bits: a02 b02 a13 b13
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512d a = _mm512_castps_pd(t[2 * j]), b = _mm512_castps_pd(t[2 * j + 1]);
+    u[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),  // per 128 bits: keys 4j..4j+3
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
+}
+
+// Keys and values are read kAhead slots ahead of their use: the slots are scattered over the cache's blocks, and
+// one decode query does too little work per key for the hardware prefetcher's lead to cover memory's latency.
+constexpr int64_t kAhead = 8;
+
+template <int B, typename T>
+TS_AVX512 inline void prefetch_row(const T* p) {
+  constexpr int64_t bytes = B * kLanes * sizeof(T);
+  for (int64_t offset = 0; offset < bytes; offset += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + offset, _MM_HINT_T0);
+}
+
+// Scores of `rows` scaled query rows qf [rows, 16 B] against L keys, the head dimension (B blocks of 16) known at
+// compile time: each key is widened once into registers for all the rows, a row's product with it is left as 16
+// lanes in `part` [rows, 16, 16], and every 16 keys one reduce16 per row turns them into 16 scores. Masked keys
+// get -inf (row r belongs to query (r0 + r) / group).
+template <int B, typename T>
+TS_AVX512 void scores_fixed(const float* qf, int64_t rows, int64_t r0, int64_t group, const T* k_cache,
+                            int64_t slot_stride, const int64_t* slots, const bool* mask, int64_t length, float* part,
+                            float* scores) {
+  constexpr int64_t dim = B * kLanes;
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t l0 = 0; l0 < length; l0 += kLanes) {
+    const int64_t n = std::min(kLanes, length - l0);
+    for (int64_t j = 0; j < kLanes; ++j) {
+      if (j >= n) {
+        for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(part + (r * kLanes + j) * kLanes, _mm512_setzero_ps());
+        continue;
+      }
+      const T* key = k_cache + slots[l0 + j] * slot_stride;
+      if (l0 + j + kAhead < length) prefetch_row<B, T>(k_cache + slots[l0 + j + kAhead] * slot_stride);
+      __m512 k[B];
+      for (int c = 0; c < B; ++c) k[c] = load16(key + c * kLanes);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* qr = qf + r * dim;
+        __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qr), k[0]);
+        for (int c = 1; c < B; ++c) sum = _mm512_fmadd_ps(_mm512_loadu_ps(qr + c * kLanes), k[c], sum);
+        _mm512_storeu_ps(part + (r * kLanes + j) * kLanes, sum);
+      }
+    }
+    const __mmask16 tail = static_cast<__mmask16>((1u << n) - 1);
     for (int64_t r = 0; r < rows; ++r) {
-      const float p = scores[r * length + l];
-      if (p == 0.f) continue;
-      const __m512 pv = _mm512_set1_ps(p);
-      for (int64_t c = 0; c < blocks; ++c) {
-        float* a = acc + r * dim + c * kLanes;
-        _mm512_storeu_ps(a, _mm512_fmadd_ps(pv, load16(value + c * kLanes), _mm512_loadu_ps(a)));
+      const __m128i allowed = _mm_maskz_loadu_epi8(tail, mask + ((r0 + r) / group) * length + l0);
+      const __mmask16 keep = _mm_test_epi8_mask(allowed, allowed);
+      const __m512 sums = _mm512_mask_mov_ps(minus_inf, keep, reduce16(part + r * kLanes * kLanes));
+      _mm512_mask_storeu_ps(scores + r * length + l0, tail, sums);
+    }
+  }
+}
+
+// acc [RB rows, blocks c0 .. c0 + CB) += probabilities [RB, L] x values [L, those blocks], the accumulators held in
+// registers over all L keys (each value block widened once for the RB rows).
+template <int CB, int RB, typename T>
+TS_AVX512 void values_block(const float* probs, int64_t length, const T* v_cache, int64_t slot_stride,
+                            const int64_t* slots, int64_t c0, float* acc, int64_t dim) {
+  __m512 a[RB][CB];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < CB; ++c) a[r][c] = _mm512_setzero_ps();
+  for (int64_t l = 0; l < length; ++l) {
+    const T* value = v_cache + slots[l] * slot_stride + c0 * kLanes;
+    if (l + kAhead < length) prefetch_row<CB, T>(v_cache + slots[l + kAhead] * slot_stride + c0 * kLanes);
+    __m512 p[RB];
+    for (int r = 0; r < RB; ++r) p[r] = _mm512_set1_ps(probs[r * length + l]);
+    for (int c = 0; c < CB; ++c) {
+      const __m512 v = load16(value + c * kLanes);
+      for (int r = 0; r < RB; ++r) a[r][c] = _mm512_fmadd_ps(p[r], v, a[r][c]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < CB; ++c) _mm512_storeu_ps(acc + r * dim + (c0 + c) * kLanes, a[r][c]);
+}
+
+// acc [rows, 16 B] = probabilities [rows, L] x values [L, 16 B]: column strips of at most 8 blocks, rows in
+// register blocks that keep about 24 of the 32 vector registers as accumulators.
+template <int B, typename T>
+TS_AVX512 void values_fixed(const float* probs, int64_t rows, int64_t length, const T* v_cache, int64_t slot_stride,
+                            const int64_t* slots, float* acc) {
+  constexpr int CB = B < 8 ? B : 8;
+  constexpr int RB = 24 / CB;
+  constexpr int64_t dim = B * kLanes;
+  for (int64_t c0 = 0; c0 < B; c0 += CB) {
+    int64_t r = 0;
+    for (; r + RB <= rows; r += RB)
+      values_block<CB, RB, T>(probs + r * length, length, v_cache, slot_stride, slots, c0, acc + r * dim, dim);
+    for (; r < rows; ++r)
+      values_block<CB, 1, T>(probs + r * length, length, v_cache, slot_stride, slots, c0, acc + r * dim, dim);
+  }
+}
+
+// The rows [r0, r1) of one KV head's query rows (row r: query r / group of head h0 + r % group) against its L keys:
+// every key and value is widened once for all the rows that share it. Head dimensions of 32, 64, 128 and 256 take
+// the register-blocked phases above; others a loop over 16-lane blocks. scratch: R * L scores, R * D
+// accumulators, R * D scaled queries, and R * 256 partial sums.
+template <typename T>
+TS_AVX512 void attend_kv_head(const T* q, int64_t q_stride, int64_t group, const T* k_cache, const T* v_cache,
+                              int64_t slot_stride, const int64_t* slots, const bool* mask, int64_t r0, int64_t r1,
+                              int64_t length, int64_t dim, float scale, float* qf, float* scores, float* acc,
+                              float* part, T* out) {
+  const int64_t rows = r1 - r0, blocks = dim / kLanes;
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = r0 + r;
+    const T* src = q + (row / group) * q_stride + (row % group) * dim;
+    for (int64_t c = 0; c < blocks; ++c)
+      _mm512_storeu_ps(qf + r * dim + c * kLanes, _mm512_mul_ps(load16(src + c * kLanes), _mm512_set1_ps(scale)));
+  }
+  const auto fixed = [&](auto b) {
+    constexpr int B = decltype(b)::value;
+    scores_fixed<B, T>(qf, rows, r0, group, k_cache, slot_stride, slots, mask, length, part, scores);
+    softmax_rows(scores, rows, length);
+    values_fixed<B, T>(scores, rows, length, v_cache, slot_stride, slots, acc);
+  };
+  switch (blocks) {
+    case 2: fixed(std::integral_constant<int, 2>{}); break;
+    case 4: fixed(std::integral_constant<int, 4>{}); break;
+    case 8: fixed(std::integral_constant<int, 8>{}); break;
+    case 16: fixed(std::integral_constant<int, 16>{}); break;
+    default: {
+      for (int64_t l = 0; l < length; ++l) {
+        const T* key = k_cache + slots[l] * slot_stride;
+        for (int64_t r = 0; r < rows; ++r) {
+          if (!mask[((r0 + r) / group) * length + l]) {
+            scores[r * length + l] = minus_inf;
+            continue;
+          }
+          __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qf + r * dim), load16(key));
+          for (int64_t c = 1; c < blocks; ++c)
+            sum = _mm512_fmadd_ps(_mm512_loadu_ps(qf + r * dim + c * kLanes), load16(key + c * kLanes), sum);
+          scores[r * length + l] = _mm512_reduce_add_ps(sum);
+        }
+      }
+      softmax_rows(scores, rows, length);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < blocks; ++c) _mm512_storeu_ps(acc + r * dim + c * kLanes, _mm512_setzero_ps());
+      for (int64_t l = 0; l < length; ++l) {
+        const T* value = v_cache + slots[l] * slot_stride;
+        for (int64_t r = 0; r < rows; ++r) {
+          const float p = scores[r * length + l];
+          if (p == 0.f) continue;
+          const __m512 pv = _mm512_set1_ps(p);
+          for (int64_t c = 0; c < blocks; ++c) {
+            float* a = acc + r * dim + c * kLanes;
+            _mm512_storeu_ps(a, _mm512_fmadd_ps(pv, load16(value + c * kLanes), _mm512_loadu_ps(a)));
+          }
+        }
       }
     }
   }
@@ -209,6 +340,7 @@ TS_AVX512 void attend_kv_head(const T* q, int64_t q_stride, int64_t group, const
 
 bool has_avx512() {  // TURBOSPEC_NO_AVX512 (TURBOSPEC_CPU_PATH=avx2): the portable loop, as a CPU without it runs
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") &&
                           std::getenv("TURBOSPEC_NO_AVX512") == nullptr;
   return yes;
 }
@@ -235,7 +367,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     const int64_t chunks = std::min(rows, std::max<int64_t>(1, (2 * at::get_num_threads() + heads - 1) / heads));
     const int64_t per_chunk = (rows + chunks - 1) / chunks;
     at::parallel_for(0, heads * chunks, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> qf(per_chunk * dim), scores(per_chunk * length), acc(per_chunk * dim);
+      std::vector<float> qf(per_chunk * dim), scores(per_chunk * length), acc(per_chunk * dim),
+          part(per_chunk * kLanes * kLanes);
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t b = t / (kv_heads * chunks), h = (t / chunks) % kv_heads, chunk = t % chunks;
         const int64_t r0 = chunk * per_chunk, r1 = std::min(rows, r0 + per_chunk);
@@ -243,7 +376,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         const int64_t offset = (b * num_q * q_heads + h * group) * dim;
         attend_kv_head<T>(qp + offset, q_stride, group, kp + h * dim, vp + h * dim, slot_stride, sp + b * length,
                           mp + b * num_q * length, r0, r1, length, dim, static_cast<float>(scale), qf.data(),
-                          scores.data(), acc.data(), op + offset);
+                          scores.data(), acc.data(), part.data(), op + offset);
       }
     });
     return;

@@ -1,0 +1,70 @@
+"""A/B of one compiled kernel source against its version at an earlier git revision.
+
+Two builds register the same torch operators, so they cannot share a process: each variant runs in its own
+process (`script --worker SOURCE`), which swaps that one source into the kernel build and prints a JSON line
+{"op_ms": {measurement: ms}, "decode_step_ms": {measurement: ms}}. Rounds alternate the order (A B, B A, ...), so
+machine drift between rounds cannot decide the comparison; the table gives each measurement's median over rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .turns import alternating
+
+
+def use_source(source: str | Path) -> None:
+    """In a worker: build the kernels with `source` in place of the current file of the same name."""
+    from turbospec import kernels
+
+    source = Path(source)
+    kernels.SOURCES = [source, *(p for p in kernels.SOURCES if p.name != source.name)]
+    if kernels.load() is None:
+        raise SystemExit(f"kernel build failed: {kernels.failure()}")
+
+
+def run_rounds(script: str, source: Path, baseline: str, rounds: int, worker_args: list[str]) -> dict[str, list[dict]]:
+    """Each round runs the baseline's and the current source's worker once, in alternating order."""
+    old = subprocess.run(["git", "show", f"{baseline}:{source}"], capture_output=True, text=True, check=True)
+    tmp = Path(tempfile.mkdtemp(prefix="kernel_ab_")) / source.name
+    tmp.write_text(old.stdout)
+    variants = {f"baseline ({baseline})": str(tmp), "current": str(source.resolve())}
+    results: dict[str, list[dict]] = {name: [] for name in variants}
+    for r in range(rounds):
+        for name in alternating(list(variants), r):
+            out = subprocess.run([sys.executable, script, "--worker", variants[name], *worker_args],
+                                 capture_output=True, text=True, check=True)
+            results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            steps = ", ".join(f"{k} {v:.1f} ms" for k, v in results[name][-1]["decode_step_ms"].items())
+            print(f"round {r} {name}: {steps}", flush=True)
+    return results
+
+
+def table_lines(results: dict[str, list[dict]]) -> list[str]:
+    """| measurement | baseline ms | current ms | baseline / current |, the medians over rounds."""
+    base, cur = results.values()
+    lines = ["| measurement | baseline ms | current ms | baseline / current |", "|---|---|---|---|"]
+    for part in ("op_ms", "decode_step_ms"):
+        for key in base[0][part]:
+            b = statistics.median(run[part][key] for run in base)
+            c = statistics.median(run[part][key] for run in cur)
+            lines.append(f"| {key} | {b:.3f} | {c:.3f} | {b / c:.2f}x |")
+    return lines
+
+
+def rounds_note(rounds: int) -> str:
+    return (f"- medians over {rounds} alternating rounds (the order reversed every round), each variant built from "
+            "its own source in its own process; op times are each round's median of repeated calls")
+
+
+def summary(results: dict[str, list[dict]]) -> dict[str, Any]:
+    base, cur = results.values()
+    return {part: {key: statistics.median(run[part][key] for run in base) /
+                   statistics.median(run[part][key] for run in cur) for key in base[0][part]}
+            for part in ("op_ms", "decode_step_ms")}
