@@ -13,15 +13,12 @@ in its own process, rounds alternating (harness/kernel_ab.py):
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
 import random
 from pathlib import Path
 
-from harness import benchmark_meta, default_out, header_lines, save
-from harness.kernel_ab import rounds_note, run_rounds, summary, table_lines, use_source
+from harness import kernel_ab
+from harness.kernel_ab import use_source
 from int8_kernel_ab import median_ms
 
 SOURCE = Path("turbospec/kernels/short_attention.cpp")
@@ -69,26 +66,9 @@ def worker(source: str, threads: int, steps: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--baseline", default="d311f63", help="git revision whose kernel source is the A side")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--steps", type=int, default=24, help="decode steps timed per context and round")
-    ap.add_argument("--out", default=str(default_out("attention_kernel_ab")))
-    ap.add_argument("--worker", metavar="SOURCE", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.worker:
-        print(json.dumps(worker(args.worker, args.threads, args.steps)))
-        return
-    results = run_rounds(__file__, SOURCE, args.baseline, args.rounds,
-                         ["--threads", str(args.threads), "--steps", str(args.steps)])
-    meta = benchmark_meta(args.threads, model=MODEL, baseline=args.baseline, rounds=args.rounds,
-                          speedups=summary(results))
-    lines = ["# Short-query attention kernel: A/B against an earlier version, alternating processes", "",
-             *header_lines(meta), rounds_note(args.rounds),
-             "- bf16 caches; causal masks over the last queries; the operator times are per call (one layer)", "",
-             *table_lines(results)]
-    save(Path(args.out), meta, [results], "\n".join(lines) + "\n")
+    kernel_ab.main(__file__, SOURCE, worker, "Short-query attention kernel: A/B against an earlier version, alternating "
+                   "processes", "d311f63", "attention_kernel_ab", MODEL,
+                   ("- bf16 caches; causal masks over the last queries; the operator times are per call (one layer)",))
 
 
 if __name__ == "__main__":

@@ -12,16 +12,13 @@ rounds cannot decide the comparison:
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import random
 import statistics
 import time
 from pathlib import Path
 
-from harness import benchmark_meta, default_out, header_lines, save
-from harness.kernel_ab import rounds_note, run_rounds, table_lines, use_source
+from harness import kernel_ab
+from harness.kernel_ab import use_source
 
 SOURCE = Path("turbospec/kernels/grouped_int8.cpp")
 SHAPES = [(151936, 1536), (1536, 8960), (256, 1536)]  # LM head, down projection, a v projection's int8 rows
@@ -67,23 +64,8 @@ def worker(source: str, threads: int, steps: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--baseline", default="eaf8717", help="git revision whose kernel source is the A side")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--steps", type=int, default=24, help="decode steps timed per round")
-    ap.add_argument("--out", default=str(default_out("int8_kernel_ab")))
-    ap.add_argument("--worker", metavar="SOURCE", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.worker:
-        print(json.dumps(worker(args.worker, args.threads, args.steps)))
-        return
-    results = run_rounds(__file__, SOURCE, args.baseline, args.rounds,
-                         ["--threads", str(args.threads), "--steps", str(args.steps)])
-    meta = benchmark_meta(args.threads, model=MODEL, baseline=args.baseline, rounds=args.rounds)
-    lines = ["# Grouped int8 kernel: A/B against an earlier version, alternating processes", "", *header_lines(meta),
-             rounds_note(args.rounds), "", *table_lines(results)]
-    save(Path(args.out), meta, [results], "\n".join(lines) + "\n")
+    kernel_ab.main(__file__, SOURCE, worker, "Grouped int8 kernel: A/B against an earlier version, alternating "
+                   "processes", "eaf8717", "int8_kernel_ab", MODEL)
 
 
 if __name__ == "__main__":

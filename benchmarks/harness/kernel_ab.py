@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .turns import alternating
 
@@ -68,3 +68,32 @@ def summary(results: dict[str, list[dict]]) -> dict[str, Any]:
     return {part: {key: statistics.median(run[part][key] for run in base) /
                    statistics.median(run[part][key] for run in cur) for key in base[0][part]}
             for part in ("op_ms", "decode_step_ms")}
+
+
+def main(script: str, source: Path, worker: Callable[[str, int, int], dict], title: str, default_baseline: str,
+         benchmark: str, model: str, notes: tuple[str, ...] = ()) -> None:
+    """A kernel A/B script's command line: `--worker SOURCE` runs one variant in this process (worker(source,
+    threads, steps) -> its JSON line); otherwise the alternating rounds, the table and the saved result."""
+    import argparse
+    import os
+
+    from .output import default_out, save
+    from .provenance import benchmark_meta, header_lines
+
+    ap = argparse.ArgumentParser(description=title)
+    ap.add_argument("--baseline", default=default_baseline, help="git revision whose kernel source is the A side")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--steps", type=int, default=24, help="decode steps timed per measurement and round")
+    ap.add_argument("--out", default=str(default_out(benchmark)))
+    ap.add_argument("--worker", metavar="SOURCE", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.threads, args.steps)))
+        return
+    results = run_rounds(script, source, args.baseline, args.rounds,
+                         ["--threads", str(args.threads), "--steps", str(args.steps)])
+    meta = benchmark_meta(args.threads, model=model, baseline=args.baseline, rounds=args.rounds,
+                          speedups=summary(results))
+    lines = [f"# {title}", "", *header_lines(meta), rounds_note(args.rounds), *notes, "", *table_lines(results)]
+    save(Path(args.out), meta, [results], "\n".join(lines) + "\n")
