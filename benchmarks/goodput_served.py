@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import goodput_sweep as gs  # noqa: E402
+from harness import alternating  # noqa: E402
 from serve_compare import TURBOSPEC, free_port, run_one, Target  # noqa: E402
 
 from turbospec.bench.machine import machine_info  # noqa: E402
@@ -140,7 +141,7 @@ def main() -> int:
     total, done = args.repeats * len(args.rates) * len(args.policies), 0
     for repeat in range(args.repeats):
         for rate in args.rates:
-            for policy in args.policies:
+            for policy in alternating(args.policies, repeat):
                 done += 1
                 target = server_command(args.workload, policy, free_port(), args.threads)
                 result = run_one(bench, target, f"{rate:g}", runs_dir / f"r{repeat}-{rate:g}-{policy}")

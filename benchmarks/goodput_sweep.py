@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from harness import alternating
 
 from turbospec.tuning import set_speculation
 from turbospec import LLM, SamplingParams
@@ -324,8 +325,9 @@ def describe(row: dict[str, Any]) -> str:
 
 
 def sweep(w: Workload, llm: LLM, policies: Sequence[str], seed: int, repeats: int = 1) -> list[dict[str, Any]]:
-    """Every policy at every rate; with repeats > 1 the policies are interleaved (all policies, then all again)
-    so slow drift of the machine hits every policy alike, and each row is the mean of its runs."""
+    """Every policy at every rate; with repeats > 1 the policies are interleaved (all policies, then all again in
+    reverse order) so slow drift of the machine, and whatever a run leaves behind for the next one, hits every
+    policy alike; each row is the mean of its runs."""
     engine = llm.engine
     prompts = chat_ids(llm, w.prompts)
     rows = []
@@ -333,8 +335,8 @@ def sweep(w: Workload, llm: LLM, policies: Sequence[str], seed: int, repeats: in
     for rate in sorted(w.rates):
         arrivals = poisson_arrivals(len(prompts), rate, seed)
         runs: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
-        for _ in range(repeats):
-            for policy in policies:
+        for repeat in range(repeats):
+            for policy in alternating(policies, repeat):
                 done += 1
                 result = run_policy(engine, policy, prompts, arrivals, w.max_tokens)
                 row = {"workload": w.name, "policy": policy, "request_rate": rate, **summarise(result),
