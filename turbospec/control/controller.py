@@ -79,8 +79,9 @@ def without_prefill(cost: StepCost, decodes_s: float) -> StepCost:
     by, it made drafting look cheap beside it. The drafts keep their marginal cost in the real step (past a knot,
     a verified token costs what a prefill token does). With qwen2.5-coder-1.5b and its 0.5B draft at saturation,
     adaptive ran 1.20x no speculation's latency before (benchmarks/results/goodput_sweep/archive/
-    2026-11-30-goodput_saturation.md), 1.007x after (goodput_sweep/goodput_sweep_zen4_b.md): beside a 256-token
-    chunk it had drafted for every decoding request, and the draft model first ran over all their prompts."""
+    2026-11-30-goodput_saturation.md), 1.007x after (goodput_sweep/archive/
+    2026-12-06-2251-goodput_sweep_zen4_b.md): beside a 256-token chunk it had drafted for every decoding request,
+    and the draft model first ran over all their prompts."""
     prefill_s = cost(0, 0, 0) - decodes_s
     if prefill_s <= 0:
         return cost
