@@ -175,3 +175,25 @@ def test_the_fused_kernel_matches_the_reference_at_every_head_dim(dtype):
             ref = torch.einsum("bhql,blhd->bqhd", probs, v)
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol, msg=f"head dim {dim}, {num_q} queries")
+
+
+def test_a_slot_no_query_attends_never_reaches_the_output():
+    """Padding points at slot 0, which another request may own: whatever it holds (here NaN and inf, as a request
+    whose activations overflowed would leave), a query that masks it out must not see it (0 x NaN is NaN)."""
+    from turbospec import kernels
+
+    if kernels.load() is None:
+        pytest.skip(f"our kernels are not built here: {kernels.failure()}")
+    gen = torch.Generator().manual_seed(4)
+    for dim in (48, 128):  # the loop and a register-blocked path
+        k_cache, v_cache = (torch.randn(64, 2, dim, generator=gen).bfloat16() for _ in range(2))
+        k_cache[0], v_cache[0] = float("inf"), float("nan")
+        slots = torch.cat([torch.arange(1, 21), torch.zeros(12, dtype=torch.long)]).view(1, 32)  # 12 padded
+        mask = torch.zeros(1, 5, 32, dtype=torch.bool)
+        mask[:, :, :20] = torch.ones(5, 20, dtype=torch.bool).tril(15)  # a 5-query verification window
+        q = torch.randn(1, 5, 12, dim, generator=gen).bfloat16()
+        out = torch.ops.turbospec.short_query_attention(q, k_cache, v_cache, slots, mask, 1 / math.sqrt(dim))
+        alone = torch.ops.turbospec.short_query_attention(q, k_cache, v_cache, slots[:, :20], mask[:, :, :20],
+                                                          1 / math.sqrt(dim))
+        assert torch.isfinite(out).all(), f"head dim {dim}: a masked slot's NaN reached the output"
+        torch.testing.assert_close(out, alone, rtol=0, atol=0)

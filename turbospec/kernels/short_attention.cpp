@@ -234,7 +234,8 @@ TS_AVX512 void scores_fixed(const float* qf, int64_t rows, int64_t r0, int64_t g
 }
 
 // acc [RB rows, blocks c0 .. c0 + CB) += probabilities [RB, L] x values [L, those blocks], the accumulators held in
-// registers over all L keys (each value block widened once for the RB rows).
+// registers over all L keys (each value block widened once for the RB rows). A key whose probability is zero for
+// all RB rows is skipped, so what a masked slot holds never reaches the output.
 template <int CB, int RB, typename T>
 TS_AVX512 void values_block(const float* probs, int64_t length, const T* v_cache, int64_t slot_stride,
                             const int64_t* slots, int64_t c0, float* acc, int64_t dim) {
@@ -244,6 +245,9 @@ TS_AVX512 void values_block(const float* probs, int64_t length, const T* v_cache
   for (int64_t l = 0; l < length; ++l) {
     const T* value = v_cache + slots[l] * slot_stride + c0 * kLanes;
     if (l + kAhead < length) prefetch_row<CB, T>(v_cache + slots[l + kAhead] * slot_stride + c0 * kLanes);
+    bool attended = false;  // a key no row attends (padding: slot 0, another request's) is never read: 0 x NaN
+    for (int r = 0; r < RB; ++r) attended |= probs[r * length + l] != 0.f;
+    if (!attended) continue;
     __m512 p[RB];
     for (int r = 0; r < RB; ++r) p[r] = _mm512_set1_ps(probs[r * length + l]);
     for (int c = 0; c < CB; ++c) {
