@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from .turns import alternating
 
@@ -46,28 +46,20 @@ def run_rounds(script: str, source: Path, baseline: str, rounds: int, worker_arg
     return results
 
 
+def medians(results: dict[str, list[dict]]) -> dict[str, dict[str, tuple[float, float]]]:
+    """{part: {measurement: (baseline, current)}}, each the median over rounds."""
+    base, cur = results.values()
+    return {part: {key: (statistics.median(run[part][key] for run in base),
+                         statistics.median(run[part][key] for run in cur)) for key in base[0][part]}
+            for part in ("op_ms", "decode_step_ms")}
+
+
 def table_lines(results: dict[str, list[dict]]) -> list[str]:
     """| measurement | baseline ms | current ms | baseline / current |, the medians over rounds."""
-    base, cur = results.values()
     lines = ["| measurement | baseline ms | current ms | baseline / current |", "|---|---|---|---|"]
-    for part in ("op_ms", "decode_step_ms"):
-        for key in base[0][part]:
-            b = statistics.median(run[part][key] for run in base)
-            c = statistics.median(run[part][key] for run in cur)
-            lines.append(f"| {key} | {b:.3f} | {c:.3f} | {b / c:.2f}x |")
+    for part in medians(results).values():
+        lines += [f"| {key} | {b:.3f} | {c:.3f} | {b / c:.2f}x |" for key, (b, c) in part.items()]
     return lines
-
-
-def rounds_note(rounds: int) -> str:
-    return (f"- medians over {rounds} alternating rounds (the order reversed every round), each variant built from "
-            "its own source in its own process; op times are each round's median of repeated calls")
-
-
-def summary(results: dict[str, list[dict]]) -> dict[str, Any]:
-    base, cur = results.values()
-    return {part: {key: statistics.median(run[part][key] for run in base) /
-                   statistics.median(run[part][key] for run in cur) for key in base[0][part]}
-            for part in ("op_ms", "decode_step_ms")}
 
 
 def main(script: str, source: Path, worker: Callable[[str, int, int], dict], title: str, default_baseline: str,
@@ -93,7 +85,10 @@ def main(script: str, source: Path, worker: Callable[[str, int, int], dict], tit
         return
     results = run_rounds(script, source, args.baseline, args.rounds,
                          ["--threads", str(args.threads), "--steps", str(args.steps)])
-    meta = benchmark_meta(args.threads, model=model, baseline=args.baseline, rounds=args.rounds,
-                          speedups=summary(results))
-    lines = [f"# {title}", "", *header_lines(meta), rounds_note(args.rounds), *notes, "", *table_lines(results)]
+    speedups = {part: {key: b / c for key, (b, c) in values.items()} for part, values in medians(results).items()}
+    meta = benchmark_meta(args.threads, model=model, baseline=args.baseline, rounds=args.rounds, speedups=speedups)
+    lines = [f"# {title}", "", *header_lines(meta),
+             f"- medians over {args.rounds} alternating rounds (the order reversed every round), each variant built "
+             "from its own source in its own process; op times are each round's median of repeated calls",
+             *notes, "", *table_lines(results)]
     save(Path(args.out), meta, [results], "\n".join(lines) + "\n")
