@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from goodput_sweep import WORKLOADS, apply_policy, chat_ids, controlled, warm_up, workload_llm
+from goodput_sweep import WORKLOADS, apply_policy, chat_ids, controlled, warm_up, workload_llm, workload_prompts
 from harness import benchmark_meta, default_out, header_lines, save, table
 from tqdm import tqdm
 
@@ -129,10 +129,10 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def measure(name: str, args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
-    target, spec, prompts_for, _, _, _ = WORKLOADS[name]
+    target, spec, *_ = WORKLOADS[name]
     llm = workload_llm(target, controlled(spec, args.max_k), args.threads, max(args.batches), args.max_model_len)
     engine = llm.engine
-    prompts = chat_ids(llm, prompts_for(max(args.batches)))
+    prompts = chat_ids(llm, workload_prompts(name, max(args.batches)))
     warm_up(engine, prompts[0])
     apply_policy(engine, "adaptive")  # the controller (a cached or brief profile) before any timing
     timer = PhaseTimer(engine)

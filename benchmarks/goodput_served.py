@@ -33,6 +33,7 @@ from harness import alternating  # noqa: E402
 from serve_compare import TURBOSPEC, free_port, run_one, Target  # noqa: E402
 
 from turbospec.bench.machine import machine_info  # noqa: E402
+from turbospec.bench.serve_config import DATASETS  # noqa: E402
 
 
 def server_command(workload: str, policy: str, port: int, threads: int) -> Target:
@@ -106,7 +107,8 @@ def markdown(report: dict[str, Any]) -> str:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="b", choices=list(gs.WORKLOADS))
-    ap.add_argument("--dataset", default="humaneval", choices=("humaneval", "mtbench", "sharegpt"))
+    ap.add_argument("--dataset", default=None, choices=DATASETS,
+                    help="default: the workload's own (a, d: mixed; b, c: humaneval), as goodput_sweep.py sends")
     ap.add_argument("--rates", type=gs.float_list, default=gs.float_list("0.05,0.2,1"), help="req/s, comma list")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
@@ -116,6 +118,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/goodput_sweep/goodput_served")
     args = ap.parse_args()
+    args.dataset = args.dataset or gs.WORKLOADS[args.workload][2]
     if not args.rates or min(args.rates) <= 0:
         ap.error("--rates: give at least one rate, each > 0 req/s (a high rate sends everything at once)")
     for what in ("num_prompts", "max_tokens", "repeats", "threads"):

@@ -10,7 +10,7 @@ has nothing to do and the next arrival is still in the future. An idle engine do
 waits, so latencies (queueing included) are exact, and light load costs no wall time.
 
 Workloads (WORKLOADS):
-- a: smollm2-135m with the n-gram proposer; prompts alternate ShareGPT first turns and HumanEval.
+- a: smollm2-135m with the n-gram proposer; prompts alternate ShareGPT first turns and HumanEval (`mixed`).
 - b: qwen2.5-coder-1.5b with the draft model qwen2.5-coder-0.5b; HumanEval prompts.
 - c: qwen2.5-coder-1.5b with the committed EAGLE head (trees; k is the number of nodes verified); HumanEval.
 - d: qwen2.5-coder-1.5b with the 0.5B draft on a mixed stream: ShareGPT and HumanEval alternating.
@@ -47,7 +47,9 @@ from harness import alternating
 from turbospec.tuning import set_speculation
 from turbospec import LLM, SamplingParams
 from turbospec.bench.machine import machine_info
-from turbospec.data.prompts import BenchPrompt, load_prompts, load_sharegpt
+from turbospec.bench.serve_bench import load_dataset
+from turbospec.bench.serve_config import BenchConfig
+from turbospec.data.prompts import BenchPrompt, load_mixed, load_prompts, load_sharegpt
 
 POLICIES = ("no-spec", "fixed-1", "fixed-2", "fixed-4", "fixed-8", "adaptive")
 SCENARIO_POLICIES = ("no-spec", "fixed-4", "fixed-8", "adaptive")
@@ -78,32 +80,26 @@ class Workload:
     threads: int
 
 
-def alternate(first: Sequence[BenchPrompt], second: Sequence[BenchPrompt], n: int) -> list[BenchPrompt]:
-    """first[0], second[0], first[1], ... up to n prompts."""
-    out: list[BenchPrompt] = []
-    for a, b in zip(first, second):
-        out += [a, b]
-    return out[:n]
-
-
-def workload_a_prompts(n: int) -> list[BenchPrompt]:
-    half = (n + 1) // 2
-    return alternate(load_sharegpt(half), load_prompts(half, "humaneval")[0], n)
-
-
-# name: (target, speculative config, prompts for n requests, default rates (req/s), requests, max tokens)
-WORKLOADS: dict[str, tuple[str, dict[str, Any], Any, str, int, int]] = {
+# name: (target, speculative config, data set (`turbospec bench serve --dataset`), default rates (req/s), requests,
+# max tokens)
+WORKLOADS: dict[str, tuple[str, dict[str, Any], str, str, int, int]] = {
     "a": ("smollm2-135m", {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4},
-          workload_a_prompts, "0.1,0.4,0.8,1.6,3.2", 16, 128),
+          "mixed", "0.1,0.4,0.8,1.6,3.2", 16, 128),
     "b": ("qwen2.5-coder-1.5b", {"method": "draft", "model": "qwen2.5-coder-0.5b"},
-          lambda n: load_prompts(n, "humaneval")[0], "0.02,0.05,0.1,0.2,0.4", 8, 64),
+          "humaneval", "0.02,0.05,0.1,0.2,0.4", 8, 64),
     # the committed EAGLE head: k is the number of its tree's nodes verified
     "c": ("qwen2.5-coder-1.5b", {"method": "eagle"},
-          lambda n: load_prompts(n, "humaneval")[0], "0.02,0.05,0.1,0.2,0.4", 8, 64),
+          "humaneval", "0.02,0.05,0.1,0.2,0.4", 8, 64),
     # half code, where the 0.5B draft is accepted, half chat, where it mostly is not
     "d": ("qwen2.5-coder-1.5b", {"method": "draft", "model": "qwen2.5-coder-0.5b"},
-          workload_a_prompts, "0.02,0.05,0.1,0.2,0.4", 8, 64),
+          "mixed", "0.02,0.05,0.1,0.2,0.4", 8, 64),
 }
+
+
+def workload_prompts(name: str, n: int) -> list[BenchPrompt]:
+    """The workload's first n prompts: those `turbospec bench serve` sends for its data set, so the served sweep
+    and this one run the same requests."""
+    return load_dataset(BenchConfig(dataset=WORKLOADS[name][2], num_prompts=n))
 
 
 def controlled(spec: dict[str, Any], max_k: int = MAX_K) -> dict[str, Any]:
@@ -114,9 +110,9 @@ def controlled(spec: dict[str, Any], max_k: int = MAX_K) -> dict[str, Any]:
 def build_workloads(args: argparse.Namespace) -> list[Workload]:
     out = []
     for name in args.workloads:
-        target, spec, prompts, _, _, _ = WORKLOADS[name]
+        target, spec, _, _, _, _ = WORKLOADS[name]
         config = controlled(spec)
-        out.append(Workload(name, target, config, prompts(getattr(args, f"requests_{name}")),
+        out.append(Workload(name, target, config, workload_prompts(name, getattr(args, f"requests_{name}")),
                             getattr(args, f"max_tokens_{name}"), getattr(args, f"rates_{name}"),
                             getattr(args, f"threads_{name}") or args.threads))
     return out
@@ -383,7 +379,7 @@ def distribution_change(n: int, rate: float, seed: int) -> Scenario:
 
 
 def load_change(n: int, low: float, high: float, seed: int) -> Scenario:
-    prompts = workload_a_prompts(3 * n)
+    prompts = load_mixed(3 * n)
     arrivals = piecewise_arrivals([(n, low), (n, high), (n, low)], seed)
     return Scenario("load_change", f"{n} requests each at {low:g}, {high:g}, {low:g} req/s (workload a prompts)",
                     prompts, arrivals, [arrivals[n], arrivals[2 * n]], {"rates": [low, high, low]})

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from goodput_sweep import WORKLOADS, apply_policy, chat_ids, controlled, warm_up, workload_llm
+from goodput_sweep import WORKLOADS, apply_policy, chat_ids, controlled, warm_up, workload_llm, workload_prompts
 from harness import benchmark_meta, default_out, header_lines, save, table
 from tqdm import tqdm
 
@@ -110,10 +110,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    target, spec, prompts_for, _, _, _ = WORKLOADS[args.workload]
+    target, spec, *_ = WORKLOADS[args.workload]
     llm = workload_llm(target, controlled(spec, max(8, args.k)), args.threads, args.max_num_seqs, args.max_model_len)
     engine = llm.engine
-    prompts = chat_ids(llm, prompts_for(args.prompts + 1))
+    prompts = chat_ids(llm, workload_prompts(args.workload, args.prompts + 1))
     warm_up(engine, prompts[-1])
     apply_policy(engine, "adaptive")  # the controller's model: cached, or a brief profile now
     model = engine.speculation.controller.model

@@ -167,6 +167,14 @@ def test_random_prompts_seeded_and_sized():
     assert load_random(1, 40, seed=8)[0] != a[0]
 
 
+def test_mixed_dataset_alternates_chat_and_code_and_cycles():
+    config = sb.BenchConfig(dataset="mixed", num_prompts=5)
+    ids = [p.id for p in sb.load_dataset(config)]
+    assert len(ids) == 5 and len(set(ids)) == 5
+    assert [i.split("/")[0] for i in ids] == ["sharegpt", "HumanEval", "sharegpt", "HumanEval", "sharegpt"]
+    assert parse_flags("--dataset", "mixed").dataset == "mixed"
+
+
 def test_cycle_prompts():
     base = [BenchPrompt("a", "x"), BenchPrompt("b", "y")]
     assert [p.id for p in sb.cycle_prompts(base, 5)] == ["a", "b", "a#1", "b#1", "a#2"]

@@ -32,7 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..data.arrivals import arrival_offsets, parse_rates
-from ..data.prompts import BenchPrompt, load_mtbench, load_prompts, load_random, load_sharegpt
+from ..data.prompts import BenchPrompt, load_mixed, load_mtbench, load_prompts, load_random, load_sharegpt
 from ..server.prometheus_text import METRICS_TIMEOUT_S, fetch_metrics, speculation_stats
 from .serve_client import RequestRecord, send_request
 from .serve_config import (DATASETS, DEFAULT_BASE_URL, DEFAULT_MAX_TOKENS, DEFAULT_RANDOM_INPUT_LEN,
@@ -85,7 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="chat: /v1/chat/completions, prompt as one user message; completions: /v1/completions, "
                         "raw prompt (default %(default)s)")
     p.add_argument("--dataset", choices=DATASETS, default="mtbench",
-                   help="prompts (cycled when fewer than --num-prompts exist; default %(default)s)")
+                   help="prompts (cycled when fewer than --num-prompts exist; mixed: ShareGPT first turns and HumanEval "
+                        "problems alternating; default %(default)s)")
     p.add_argument("--num-prompts", type=int, default=80, help="requests per rate (default %(default)s)")
     p.add_argument("--random-input-len", type=int, default=None,
                    help=f"--dataset random: words per prompt, about one token each "
@@ -161,6 +162,8 @@ def load_dataset(config: BenchConfig) -> list[BenchPrompt]:
             return load_random(n, config.random_input_len, config.seed)
         if config.dataset == "humaneval":
             return load_prompts(n, "humaneval")[0]
+        if config.dataset == "mixed":
+            return cycle_prompts(load_mixed(n), n)
         loaded = load_mtbench(n) if config.dataset == "mtbench" else load_sharegpt(n)
     except RuntimeError as exc:
         raise ValueError(f"--dataset {config.dataset}: {exc}") from None

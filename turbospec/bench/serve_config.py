@@ -8,7 +8,7 @@ from typing import Any
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 ENDPOINTS = ("chat", "completions")
-DATASETS = ("mtbench", "humaneval", "sharegpt", "random")
+DATASETS = ("mtbench", "humaneval", "sharegpt", "mixed", "random")
 SLO_METRICS = ("ttft", "tpot", "e2el")
 DEFAULT_MAX_TOKENS = 256  # output cap for the non-random data sets
 DEFAULT_RANDOM_INPUT_LEN = 256

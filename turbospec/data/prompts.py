@@ -189,6 +189,16 @@ def load_sharegpt(n: int, min_chars: int = 20, max_chars: int = 2000, skip: int 
     return prompts
 
 
+def load_mixed(n: int) -> list[BenchPrompt]:
+    """`n` prompts alternating ShareGPT first turns and HumanEval problems (chat first): a stream where a
+    code-trained proposer's drafts are accepted on half of the requests and rejected on the other half."""
+    half = (n + 1) // 2
+    out: list[BenchPrompt] = []
+    for pair in zip(load_sharegpt(half), load_prompts(half, "humaneval")[0]):
+        out += pair
+    return out[:n]
+
+
 def load_sharegpt_exchanges(n: int, skip: int, stop: int, min_chars: int = 20, max_chars: int = 2000,
                             code_only: bool = False) -> list[tuple[str, str]]:
     """(first human turn, the assistant's answer to it) of up to `n` conversations among those load_sharegpt counts,
