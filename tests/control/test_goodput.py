@@ -550,9 +550,31 @@ def test_controller_switches_on_only_with_a_clear_gain_and_counts_its_cost():
     cands = [Candidate("a", 8, 100)]
     # goodput(k) for a = 0.5 peaks ~1.45 tokens / 0.062 s: a 21% gain over plain, above the 10% threshold
     assert ctrl.choose(cands, StepFeatures(batch=1, tokens=1, kv=100, attn=100))[0] > 0
-    ctrl2 = GoodputController(model, RequestBeta(prior=0.5), switch_on_gain=0.5)
+    # a margin of 50%, with an estimate too sure for optimism to reach it (see the test below)
+    ctrl2 = GoodputController(model, RequestBeta(prior=0.5, prior_strength=1e4), switch_on_gain=0.5)
     assert ctrl2.choose(cands, StepFeatures(batch=1, tokens=1, kv=100, attn=100)) == [0]
     assert ctrl.stats.controller_s > 0
+
+
+def test_an_uncertain_estimate_is_tried_until_evidence_settles_it():
+    """Drafting that misses the margin at the estimate but clears it one posterior sd above is tried, and the
+    verifications it buys decide: rejected drafts end the tries; accepted ones keep speculation on."""
+    model = StepTimeModel({"target": LinearPart(("one", "tokens"), (0.05, 0.01)), "overhead": LinearPart()})
+    base = StepFeatures(batch=1, tokens=1, kv=100, attn=100)
+    cands = [Candidate("a", 8, 100)]
+    # at the prior 0.5 drafting gains ~21%, short of a 50% margin; at 0.5 + sd (0.72) it would gain ~70%
+    ctrl = GoodputController(model, RequestBeta(prior=0.5), switch_on_gain=0.5)
+    assert ctrl.choose(cands, base)[0] > 0
+    for _ in range(6):  # every draft rejected at its first token
+        ctrl.observe("a", 4, 0)
+        ctrl.end_step()
+    assert ctrl.choose(cands, base) == [0]
+    good = GoodputController(model, RequestBeta(prior=0.5), switch_on_gain=0.5)
+    for _ in range(6):  # every draft accepted
+        assert good.choose(cands, base)[0] > 0
+        good.observe("a", 4, 4)
+        good.end_step()
+    assert good.estimator.uncertainty() < 0.05
 
 
 def test_controller_warns_once_when_the_batch_outgrows_the_profile(caplog):

@@ -13,6 +13,7 @@ recorded from real runs through each and measures how well each predicts the acc
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -65,6 +66,11 @@ class AcceptanceEstimator(ABC):
 
     def end_step(self) -> None:
         """Every observation of one engine step has been made."""
+
+    def uncertainty(self) -> float:
+        """One posterior standard deviation of the global acceptance level: how far the truth may plausibly sit
+        above the estimate (0: the estimator keeps no posterior)."""
+        return 0.0
 
 
 class GlobalEMA(AcceptanceEstimator):
@@ -138,6 +144,12 @@ class RequestBeta(AcceptanceEstimator):
 
     def _age_unobserved(self) -> None:
         """What else the estimator learnt globally ages with the global rate (PositionBeta: its positions)."""
+
+    def uncertainty(self) -> float:
+        g = self._global
+        n = g.success + g.failure
+        m = g.success / n
+        return math.sqrt(m * (1.0 - m) / (n + 1.0))  # the Beta(success, failure) posterior's
 
     def free(self, request_id: str) -> None:
         self._requests.pop(request_id, None)

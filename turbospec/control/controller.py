@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from .acceptance_estimators import AcceptanceEstimator, expected_tokens
+from .acceptance_estimators import RATE_CEIL, AcceptanceEstimator, expected_tokens
 from .goodput import Choice, StepCost, choose_lengths
 from .step_time import StepFeatures, StepTimeModel
 
@@ -134,21 +134,36 @@ class GoodputController:
                         len(candidates), self._profiled_batch)
         rates = [self.estimator.rates(c.request_id, c.k_max) if c.k_max > 0 else [0.0] for c in candidates]
         per_request = self.model.per_drafting_request_s()  # refitted online: read once per step
-        activation = [self._activation_cost(c, r, per_request) for c, r in zip(candidates, rates)]
         cost = self.model.spec_cost(base, self.tree_levels)
         if base.tokens > len(candidates):  # prefill chunks beside the decodes
             decodes = base_step([c.context for c in candidates], [], len(candidates))[0]
             cost = without_prefill(cost, self.model.spec_cost(decodes, self.tree_levels)(0, 0, 0))
-        choice = choose_lengths(rates, [c.k_max for c in candidates], cost,
-                                [c.context for c in candidates],
-                                min_gain=0.0 if self.speculating else self.switch_on_gain, max_total=max_total,
-                                search_depth=self._depth_costs, activation=activation if any(activation) else None)
+        choice = self._best(candidates, rates, cost, per_request, max_total,
+                            0.0 if self.speculating else self.switch_on_gain)
+        bonus = 0.0 if any(choice.ks) else self.estimator.uncertainty()
+        if bonus > 0:
+            # Optimism under uncertainty: drafting that does not pay at the estimated acceptance is still tried
+            # while it would pay (by the switch-on margin) at one posterior standard deviation above it. Without
+            # this, an estimate held below the break-even by its prior is never tested: the 0.5B draft accepts
+            # 0.99 of HumanEval for the 1.5B, and one probe of 4 accepted drafts only lifts the 0.6 prior to 0.8,
+            # below the 0.82 that k = 4 needs on an AMX Xeon, so `auto` stayed at k = 0, 1.35x slower than k = 4.
+            # Each try narrows the posterior, so tries stop where drafting is clearly worse, and the cost of
+            # trying is small where it is close (benchmarks/results/goodput_sweep/goodput_sweep_amx_*.md).
+            hopeful = [[min(r + bonus, RATE_CEIL) for r in rs] for rs in rates]
+            choice = self._best(candidates, hopeful, cost, per_request, max_total, self.switch_on_gain)
         self.speculating = any(choice.ks)
         self.last_choice = choice
         drafting = [r[0] for r, c in zip(rates, candidates) if c.k_max > 0]
         self.stats.last_acceptance = sum(drafting) / len(drafting) if drafting else self.stats.last_acceptance
         self.stats.controller_s += time.perf_counter() - start
         return choice.ks
+
+    def _best(self, candidates: list[Candidate], rates: list[list[float]], cost: StepCost, per_request: float,
+              max_total: int | None, min_gain: float) -> Choice:
+        activation = [self._activation_cost(c, r, per_request) for c, r in zip(candidates, rates)]
+        return choose_lengths(rates, [c.k_max for c in candidates], cost, [c.context for c in candidates],
+                              min_gain=min_gain, max_total=max_total, search_depth=self._depth_costs,
+                              activation=activation if any(activation) else None)
 
     def _activation_cost(self, c: Candidate, rates: list[float], per_request: float) -> float:
         """Seconds a request adds by drafting at all, whatever its k.
