@@ -29,7 +29,7 @@ from turbospec.control.step_time import PARTS, StepFeatures
 
 def step_kind(f: StepFeatures) -> str:
     """One request's step: a draft model runs over k - 1 tokens of its own draft and the one or two tokens it has
-    not seen; more than that is a catch-up on the prompt (GoodputController._activation_cost draws the same line)."""
+    not seen; more than that is a catch-up on the prompt (GoodputController._catch_up_s draws the same line)."""
     if f.tokens > f.batch + f.spec_tokens:
         return "prefill"
     if f.draft_tokens > f.spec_tokens + 2:

@@ -134,11 +134,12 @@ class GoodputController:
                         len(candidates), self._profiled_batch)
         rates = [self.estimator.rates(c.request_id, c.k_max) if c.k_max > 0 else [0.0] for c in candidates]
         per_request = self.model.per_drafting_request_s()  # refitted online: read once per step
+        catch_ups = [self._catch_up_s(c) for c in candidates]  # model evaluations: once, whatever the passes
         cost = self.model.spec_cost(base, self.tree_levels)
         if base.tokens > len(candidates):  # prefill chunks beside the decodes
             decodes = base_step([c.context for c in candidates], [], len(candidates))[0]
             cost = without_prefill(cost, self.model.spec_cost(decodes, self.tree_levels)(0, 0, 0))
-        choice = self._best(candidates, rates, cost, per_request, max_total,
+        choice = self._best(candidates, rates, catch_ups, cost, per_request, max_total,
                             0.0 if self.speculating else self.switch_on_gain)
         bonus = 0.0 if any(choice.ks) else self.estimator.uncertainty()
         if bonus > 0:
@@ -147,10 +148,10 @@ class GoodputController:
             # this, an estimate held below the break-even by its prior is never tested: the 0.5B draft accepts
             # 0.99 of HumanEval for the 1.5B, and one probe of 4 accepted drafts only lifts the 0.6 prior to 0.8,
             # below the 0.82 that k = 4 needs on an AMX Xeon, so `auto` stayed at k = 0, 1.35x slower than k = 4.
-            # Each try narrows the posterior, so tries stop where drafting is clearly worse, and the cost of
-            # trying is small where it is close (benchmarks/results/goodput_sweep/goodput_sweep_amx_*.md).
+            # Each try narrows the posterior, so tries stop where drafting is clearly worse; where it is close, a
+            # try loses little (the gap between the two goodputs). Measured: goodput_sweep_amx_bd.md (b).
             hopeful = [[min(r + bonus, RATE_CEIL) for r in rs] for rs in rates]
-            choice = self._best(candidates, hopeful, cost, per_request, max_total, self.switch_on_gain)
+            choice = self._best(candidates, hopeful, catch_ups, cost, per_request, max_total, self.switch_on_gain)
         self.speculating = any(choice.ks)
         self.last_choice = choice
         drafting = [r[0] for r, c in zip(rates, candidates) if c.k_max > 0]
@@ -158,14 +159,22 @@ class GoodputController:
         self.stats.controller_s += time.perf_counter() - start
         return choice.ks
 
-    def _best(self, candidates: list[Candidate], rates: list[list[float]], cost: StepCost, per_request: float,
-              max_total: int | None, min_gain: float) -> Choice:
-        activation = [self._activation_cost(c, r, per_request) for c, r in zip(candidates, rates)]
+    def _best(self, candidates: list[Candidate], rates: list[list[float]], catch_ups: list[float], cost: StepCost,
+              per_request: float, max_total: int | None, min_gain: float) -> Choice:
+        activation = [self._activation_cost(c, r, per_request, s) for c, r, s in zip(candidates, rates, catch_ups)]
         return choose_lengths(rates, [c.k_max for c in candidates], cost, [c.context for c in candidates],
                               min_gain=min_gain, max_total=max_total, search_depth=self._depth_costs,
                               activation=activation if any(activation) else None)
 
-    def _activation_cost(self, c: Candidate, rates: list[float], per_request: float) -> float:
+    def _catch_up_s(self, c: Candidate) -> float:
+        """The draft model's predicted time to run over the tokens of the request it has not seen (0 for the usual
+        one or two, which are part of the step's draft cost)."""
+        if c.k_max <= 0 or c.catch_up <= 2:
+            return 0.0
+        return self.model.predict_part("draft", StepFeatures(draft_tokens=c.catch_up,
+                                                             draft_kv=c.catch_up * c.context // 2))
+
+    def _activation_cost(self, c: Candidate, rates: list[float], per_request: float, catch_up_s: float) -> float:
         """Seconds a request adds by drafting at all, whatever its k.
 
         - Draft heads grow one candidate tree per request (k picks how many of its nodes are verified; the
@@ -175,12 +184,9 @@ class GoodputController:
           the choice charges each step its share: catch-up time / the steps left at full speculation."""
         if c.k_max <= 0:
             return 0.0
-        cost = per_request
-        if c.catch_up > 2:  # the usual one or two tokens are part of the step's draft cost
-            catch_up = self.model.predict_part("draft", StepFeatures(draft_tokens=c.catch_up,
-                                                                     draft_kv=c.catch_up * c.context // 2))
-            cost += catch_up / max(1.0, c.remaining / expected_tokens(rates, c.k_max))
-        return cost
+        if catch_up_s <= 0:
+            return per_request
+        return per_request + catch_up_s / max(1.0, c.remaining / expected_tokens(rates, c.k_max))
 
     def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         self.estimator.observe(request_id, num_draft, num_accepted)
