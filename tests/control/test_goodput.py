@@ -574,7 +574,35 @@ def test_an_uncertain_estimate_is_tried_until_evidence_settles_it():
         assert good.choose(cands, base)[0] > 0
         good.observe("a", 4, 4)
         good.end_step()
-    assert good.estimator.uncertainty() < 0.05
+    assert good.estimator.hopeful_level("a") - good.estimator.request_rate("a") < 0.1
+
+
+def test_in_a_stream_of_chat_and_code_each_new_request_is_tried_and_settled_by_its_own_drafts():
+    """Chat (drafts rejected) and code (drafts accepted) alternate, one at a time. The global rate sits between
+    them, below what k > 0 needs: only how far requests' levels spread makes a new request worth a try. Every
+    code request then drafts from its first step, and each chat request stops after a few rejected drafts."""
+    model = StepTimeModel({"target": LinearPart(("one", "tokens"), (0.05, 0.003)),
+                           "draft": LinearPart(("draft_steps",), (0.025,)), "overhead": LinearPart()},
+                          refit_every=10**9)  # a draft step costs half a target step: k = 4 needs ~0.75
+    base = StepFeatures(batch=1, tokens=1, kv=200, attn=200)
+    ctrl = GoodputController(model, PositionBeta())
+    chosen: dict[str, list[int]] = {}
+    for r in range(8):
+        code = r % 2 == 1
+        rid = f"{'code' if code else 'chat'}{r}"
+        ks = chosen[rid] = []
+        for _ in range(20):
+            k = ctrl.choose([Candidate(rid, 4, 200, remaining=40)], base)[0]
+            ks.append(k)
+            if k:
+                ctrl.observe(rid, k, k if code else 0)
+            ctrl.end_step()
+        ctrl.free(rid)
+    for rid, ks in chosen.items():
+        if rid.startswith("code"):
+            assert ks[0] > 0 and ks[-10:] == [4] * 10, (rid, ks)
+        else:
+            assert ks[8:] == [0] * 12, (rid, ks)
 
 
 def test_controller_warns_once_when_the_batch_outgrows_the_profile(caplog):
@@ -628,8 +656,9 @@ def test_drafts_beside_a_prefill_chunk_are_weighed_against_the_decodes_time_alon
                                "draft": LinearPart(("draft_steps",), (0.02,)),
                                "overhead": LinearPart()}, refit_every=10**9)
         cands = [Candidate(f"r{i}", 8, c) for i, c in enumerate(contexts)]
-        alone = GoodputController(model, RequestBeta(prior=0.6)).choose(cands, decodes, spare)
-        ks = GoodputController(model, RequestBeta(prior=0.6)).choose(cands, beside, spare)
+        sure = dict(prior=0.6, prior_strength=1e4)  # no optimism: the choice at the estimate is what is tested
+        alone = GoodputController(model, RequestBeta(**sure)).choose(cands, decodes, spare)
+        ks = GoodputController(model, RequestBeta(**sure)).choose(cands, beside, spare)
         assert ks == alone and any(ks) == drafts, (per_token, ks, alone)
         # the step's whole time as the denominator chose drafts in both cases
         naive = choose_lengths([RequestBeta(prior=0.6).rates(c.request_id, 8) for c in cands], [8] * 4,

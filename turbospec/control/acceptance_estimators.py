@@ -41,6 +41,25 @@ class _Counts:
         self.add((1 - decay) * strength * rate, (1 - decay) * strength * (1 - rate), decay)
 
 
+class LevelSpread:
+    """The mean squared deviation of finished requests' acceptance levels from the global rate of their time,
+    decayed per request (recent traffic counts most), starting from `prior_weight` pseudo-requests at
+    `prior_variance`: the spread a Beta prior of the estimator's strength implies."""
+
+    def __init__(self, prior_variance: float, prior_weight: float = 2.0, decay: float = 0.9) -> None:
+        self.decay = decay
+        self._sum = prior_weight * prior_variance
+        self._weight = prior_weight
+
+    def add(self, deviation: float) -> None:
+        self._sum = self.decay * self._sum + deviation * deviation
+        self._weight = self.decay * self._weight + 1.0
+
+    @property
+    def variance(self) -> float:
+        return self._sum / self._weight
+
+
 class AcceptanceEstimator(ABC):
     name = "base"
 
@@ -67,10 +86,11 @@ class AcceptanceEstimator(ABC):
     def end_step(self) -> None:
         """Every observation of one engine step has been made."""
 
-    def uncertainty(self) -> float:
-        """One posterior standard deviation of the global acceptance level: how far the truth may plausibly sit
-        above the estimate (0: the estimator keeps no posterior)."""
-        return 0.0
+    def hopeful_rates(self, request_id: str, k: int) -> list[float]:
+        """The rates at one standard deviation above what the request's acceptance may plausibly be: what the
+        controller tries drafting at when the estimate alone does not pay (the estimate itself where the
+        estimator keeps no spread)."""
+        return self.rates(request_id, k)
 
 
 class GlobalEMA(AcceptanceEstimator):
@@ -105,6 +125,9 @@ class RequestBeta(AcceptanceEstimator):
         self.global_decay = global_decay
         self._global = _Counts(prior * prior_strength, (1 - prior) * prior_strength)
         self._requests: dict[str, _Counts] = {}
+        # the spread of requests' levels around the global rate, from the requests that finished (uncertainty)
+        self._totals: dict[str, _Counts] = {}  # each live request's undecayed accepted / rejected drafts
+        self._spread = LevelSpread(prior * (1 - prior) / (prior_strength + 1))
         # engine steps in a row without a verification: past `stale_after`, the global evidence ages (end_step)
         self.stale_after = stale_after
         self._idle_steps = 0
@@ -120,7 +143,14 @@ class RequestBeta(AcceptanceEstimator):
         return own.rate(self.global_rate, self.prior_strength)
 
     def rates(self, request_id: str, k: int) -> list[float]:
-        return [_clamp(self.request_rate(request_id))] * k
+        return self._rates_at(self.request_rate(request_id), k)
+
+    def _rates_at(self, level: float, k: int) -> list[float]:
+        """The rates at positions 1..k of a request at this level."""
+        return [_clamp(level)] * k
+
+    def hopeful_rates(self, request_id: str, k: int) -> list[float]:
+        return self._rates_at(max(self.request_rate(request_id), self.hopeful_level(request_id)), k)
 
     def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         if num_draft <= 0:
@@ -128,6 +158,7 @@ class RequestBeta(AcceptanceEstimator):
         self._observed = True
         rejected = float(num_accepted < num_draft)
         self._requests.setdefault(request_id, _Counts()).add(num_accepted, rejected, self.request_decay)
+        self._totals.setdefault(request_id, _Counts()).add(num_accepted, rejected, 1.0)
         self._global.add(num_accepted, rejected, self.global_decay)
 
     def end_step(self) -> None:
@@ -145,14 +176,32 @@ class RequestBeta(AcceptanceEstimator):
     def _age_unobserved(self) -> None:
         """What else the estimator learnt globally ages with the global rate (PositionBeta: its positions)."""
 
-    def uncertainty(self) -> float:
+    def hopeful_level(self, request_id: str) -> float:
+        """The request's level one standard deviation above its posterior mean, in a normal model where levels
+        spread around the global rate as finished requests' did (LevelSpread) and each accepted or rejected draft
+        of the request (undecayed) is one observation of it; the global rate's own uncertainty (its Beta
+        posterior) is added.
+
+        A stream mixing code (the 0.5B draft accepts 0.99 for the 1.5B) and chat (~0.5) holds the global rate
+        near 0.6, where one sd of the global posterior alone never lifted a new code request to the break-even:
+        each new request must be tried to be known. The spread says how far a new one may stray, and a few of its
+        own verifications settle it: after one rejected draft a chat request's bound falls well below its
+        decayed estimate (which a fast-decaying request prior holds near the global rate)."""
         g = self._global
         n = g.success + g.failure
         m = g.success / n
-        return math.sqrt(m * (1.0 - m) / (n + 1.0))  # the Beta(success, failure) posterior's
+        own = self._totals.get(request_id)
+        accepted, seen = (own.success, own.success + own.failure) if own else (0.0, 0.0)
+        noise = max(m * (1.0 - m), 0.01)  # one observation's variance
+        precision = 1.0 / max(self._spread.variance, 1e-6) + seen / noise
+        mean = (m / max(self._spread.variance, 1e-6) + accepted / noise) / precision
+        return mean + math.sqrt(1.0 / precision + m * (1.0 - m) / (n + 1.0))
 
     def free(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+        total = self._totals.pop(request_id, None)
+        if total is not None and total.success + total.failure > 0:
+            self._spread.add(total.success / (total.success + total.failure) - self.global_rate)
 
 
 class PositionBeta(RequestBeta):
@@ -179,8 +228,7 @@ class PositionBeta(RequestBeta):
         super().__init__(prior, prior_strength, request_decay, global_decay)
         self._positions = [_Counts() for _ in range(max_positions)]
 
-    def rates(self, request_id: str, k: int) -> list[float]:
-        level = self.request_rate(request_id)
+    def _rates_at(self, level: float, k: int) -> list[float]:
         g = self.global_rate
         out = []
         for j in range(k):
@@ -214,12 +262,12 @@ class FirstPositionBeta(PositionBeta):
 
     name = "first-position-beta"
 
-    def rates(self, request_id: str, k: int) -> list[float]:
+    def _rates_at(self, level: float, k: int) -> list[float]:
         if k <= 0:
             return []
         g = self.global_rate
         first = self._positions[0].rate(g, self.prior_strength) / g
-        out = [_clamp(self.request_rate(request_id) * first)]
+        out = [_clamp(level * first)]
         for j in range(1, k):
             out.append(_clamp(self._positions[min(j, len(self._positions) - 1)].rate(g, self.prior_strength)))
         return out

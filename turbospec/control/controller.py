@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from .acceptance_estimators import RATE_CEIL, AcceptanceEstimator, expected_tokens
+from .acceptance_estimators import AcceptanceEstimator, expected_tokens
 from .goodput import Choice, StepCost, choose_lengths
 from .step_time import StepFeatures, StepTimeModel
 
@@ -139,19 +139,22 @@ class GoodputController:
         if base.tokens > len(candidates):  # prefill chunks beside the decodes
             decodes = base_step([c.context for c in candidates], [], len(candidates))[0]
             cost = without_prefill(cost, self.model.spec_cost(decodes, self.tree_levels)(0, 0, 0))
-        choice = self._best(candidates, rates, catch_ups, cost, per_request, max_total,
-                            0.0 if self.speculating else self.switch_on_gain)
-        bonus = 0.0 if any(choice.ks) else self.estimator.uncertainty()
-        if bonus > 0:
-            # Optimism under uncertainty: drafting that does not pay at the estimated acceptance is still tried
-            # while it would pay (by the switch-on margin) at one posterior standard deviation above it. Without
-            # this, an estimate held below the break-even by its prior is never tested: the 0.5B draft accepts
-            # 0.99 of HumanEval for the 1.5B, and one probe of 4 accepted drafts only lifts the 0.6 prior to 0.8,
-            # below the 0.82 that k = 4 needs on an AMX Xeon, so `auto` stayed at k = 0, 1.35x slower than k = 4.
-            # Each try narrows the posterior, so tries stop where drafting is clearly worse; where it is close, a
-            # try loses little (the gap between the two goodputs). Measured: goodput_sweep_amx_bd.md (b).
-            hopeful = [[min(r + bonus, RATE_CEIL) for r in rs] for rs in rates]
-            choice = self._best(candidates, hopeful, catch_ups, cost, per_request, max_total, self.switch_on_gain)
+        min_gain = 0.0 if self.speculating else self.switch_on_gain
+        choice = self._best(candidates, rates, catch_ups, cost, per_request, max_total, min_gain)
+        hopeful = [self.estimator.hopeful_rates(c.request_id, c.k_max) if k == 0 and c.k_max > 0 else r
+                   for c, k, r in zip(candidates, choice.ks, rates)]
+        if hopeful != rates:
+            # Optimism under uncertainty: a request whose drafting does not pay at its estimated acceptance is
+            # still drafted for while it would pay (by the margin) at one standard deviation above it. Without
+            # this an estimate held below the break-even is never tested: the 0.5B draft accepts 0.99 of HumanEval
+            # for the 1.5B, yet one probe of 4 accepted drafts only lifted the 0.6 prior to 0.8, below the 0.82
+            # that k = 4 needs on an AMX Xeon (ad hoc trace), and `auto` stayed at k = 0, 1.35x slower than k = 4
+            # (goodput_sweep_amx_light.md). The sd includes how far requests' levels spread, so in a stream of
+            # chat and code each new request is tried (RequestBeta.hopeful_level). Each verification narrows it,
+            # so tries stop where drafting is clearly worse; where it is close, a try loses little (the gap
+            # between two goodputs). Switching on from nothing on hope alone needs the switch-on margin.
+            choice = self._best(candidates, hopeful, catch_ups, cost, per_request, max_total,
+                                min_gain if any(choice.ks) else self.switch_on_gain)
         self.speculating = any(choice.ks)
         self.last_choice = choice
         drafting = [r[0] for r, c in zip(rates, candidates) if c.k_max > 0]
