@@ -633,6 +633,20 @@ def test_a_draft_prompt_catch_up_is_charged_once_and_amortised():
     assert ctrl.choose([Candidate("c", 8, 500, catch_up=500, remaining=8)], base) == [0]  # 1 s for 8 tokens
 
 
+def test_a_catch_up_is_priced_as_measured_steps_count_it():
+    """Measured steps count a catch-up's tokens as draft tokens only; draft_kv holds the drafts' own k x context.
+    A decode-sized draft_kv cost charged to each catch-up token as well made a 500-token prompt cost 1.35 s
+    instead of 0.1 s here, and a request with 30 tokens left never drafted."""
+    model = StepTimeModel({
+        "target": LinearPart(("one", "tokens"), (0.05, 0.001)),
+        "draft": LinearPart(("draft_steps", "draft_tokens", "draft_kv"), (0.005, 0.0002, 1e-5)),
+        "overhead": LinearPart(),
+    }, refit_every=10**9)
+    ctrl = GoodputController(model, RequestBeta(prior=0.9, prior_strength=1e4))
+    base = StepFeatures(batch=1, tokens=1, kv=500, attn=500)
+    assert ctrl.choose([Candidate("a", 4, 500, catch_up=500, remaining=30)], base)[0] > 0
+
+
 def test_activation_cost_enters_the_search_once_per_request():
     cost = linear_cost(1.0, 0.01)(2)
     free = choose_lengths([flat(0.9), flat(0.9)], [4, 4], cost)
