@@ -42,9 +42,10 @@ class _Counts:
 
 
 class LevelSpread:
-    """The mean squared deviation of finished requests' acceptance levels from the global rate of their time,
-    decayed per request (recent traffic counts most), starting from `prior_weight` pseudo-requests at
-    `prior_variance`: the spread a Beta prior of the estimator's strength implies."""
+    """The mean squared deviation of finished requests' acceptance levels from the global rate when each finished
+    (its own drafts included), decayed per request (recent traffic counts most), starting from `prior_weight`
+    pseudo-requests at `prior_variance`: the spread a Beta prior of the estimator's strength implies. Raw levels of
+    requests verified only once or twice carry sampling noise, which overstates the spread: more optimism."""
 
     def __init__(self, prior_variance: float, prior_weight: float = 2.0, decay: float = 0.9) -> None:
         self.decay = decay
@@ -185,8 +186,10 @@ class RequestBeta(AcceptanceEstimator):
         A stream mixing code (the 0.5B draft accepts 0.99 for the 1.5B) and chat (~0.5) holds the global rate
         near 0.6, where one sd of the global posterior alone never lifted a new code request to the break-even:
         each new request must be tried to be known. The spread says how far a new one may stray, and a few of its
-        own verifications settle it: after one rejected draft a chat request's bound falls well below its
-        decayed estimate (which a fast-decaying request prior holds near the global rate)."""
+        own verifications settle it (a chat request's bound falls below its decayed estimate after about three
+        rejected drafts; the controller takes the higher of the two). Each accepted draft token counts as one
+        observation although acceptance runs in stretches, and the counts do not decay: a request settled below
+        the break-even is not tried again while it lives, even if it starts to copy."""
         g = self._global
         n = g.success + g.failure
         m = g.success / n
