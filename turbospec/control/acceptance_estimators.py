@@ -126,7 +126,7 @@ class RequestBeta(AcceptanceEstimator):
         self.global_decay = global_decay
         self._global = _Counts(prior * prior_strength, (1 - prior) * prior_strength)
         self._requests: dict[str, _Counts] = {}
-        # the spread of requests' levels around the global rate, from the requests that finished (uncertainty)
+        # the spread of requests' levels around the global rate, from the requests that finished (hopeful_level)
         self._totals: dict[str, _Counts] = {}  # each live request's undecayed accepted / rejected drafts
         self._spread = LevelSpread(prior * (1 - prior) / (prior_strength + 1))
         # engine steps in a row without a verification: past `stale_after`, the global evidence ages (end_step)
@@ -195,9 +195,10 @@ class RequestBeta(AcceptanceEstimator):
         m = g.success / n
         own = self._totals.get(request_id)
         accepted, seen = (own.success, own.success + own.failure) if own else (0.0, 0.0)
+        spread = max(self._spread.variance, 1e-6)  # the prior's variance
         noise = max(m * (1.0 - m), 0.01)  # one observation's variance
-        precision = 1.0 / max(self._spread.variance, 1e-6) + seen / noise
-        mean = (m / max(self._spread.variance, 1e-6) + accepted / noise) / precision
+        precision = 1.0 / spread + seen / noise
+        mean = (m / spread + accepted / noise) / precision
         return mean + math.sqrt(1.0 / precision + m * (1.0 - m) / (n + 1.0))
 
     def free(self, request_id: str) -> None:

@@ -147,8 +147,8 @@ class GoodputController:
             # Optimism under uncertainty: a request whose drafting does not pay at its estimated acceptance is
             # still drafted for while it would pay (by the margin) at one standard deviation above it. Without
             # this an estimate held below the break-even is never tested: the 0.5B draft accepts 0.99 of HumanEval
-            # for the 1.5B, yet one probe of 4 accepted drafts only lifted the 0.6 prior to 0.8, below the 0.82
-            # that k = 4 needs on an AMX Xeon (ad hoc trace), and `auto` stayed at k = 0, 1.35x slower than k = 4
+            # for the 1.5B, yet after one probe of 4 accepted drafts the estimate stayed below what k = 4 needs on
+            # an AMX Xeon (an ad hoc trace, not committed), and `auto` stayed at k = 0, 1.35x slower than k = 4
             # (goodput_sweep_amx_light.md). The sd includes how far requests' levels spread, so in a stream of
             # chat and code each new request is tried (RequestBeta.hopeful_level). Each verification narrows it,
             # so tries stop where drafting is clearly worse; where it is close, a try loses little (the gap
@@ -173,11 +173,12 @@ class GoodputController:
         """The draft model's predicted time to run over the tokens of the request it has not seen (0 for the usual
         one or two, which are part of the step's draft cost).
 
-        Priced as the engine's steps count it (speculation.step_features): catch-up tokens are draft tokens, and
-        draft_kv holds only the drafts' own k x context. Charging the catch-up draft_kv as well, as if each of its
-        tokens were a decode reading its context, priced qwen2.5-coder-0.5b's run over a 166-token prompt at
-        0.246 s on an AMX Xeon, where it took 0.13 s more than over 8 tokens (ad hoc timing, not committed), and
-        kept code requests of a chat + code stream from ever drafting."""
+        Priced as the engine's steps count it (speculation.step_features), which is how the model was fitted:
+        catch-up tokens are draft tokens, and draft_kv holds only the drafts' own k x context. So priced, the draft
+        part of the catch-up steps of qwen2.5-coder-1.5b's 0.5B draft came to 1.278 s predicted against 1.279 s
+        measured (benchmarks/results/step_pricing/step_pricing_amx_b.md). Charging each catch-up token a decode's
+        draft_kv as well priced catch-ups far above that and kept the code requests of a chat + code stream from
+        ever drafting (an ad hoc trace, not committed; goodput_sweep_amx_d.md is the stream after the mend)."""
         if c.k_max <= 0 or c.catch_up <= 2:
             return 0.0
         return self.model.predict_part("draft", StepFeatures(draft_tokens=c.catch_up))
