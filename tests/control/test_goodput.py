@@ -7,13 +7,14 @@ import itertools
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from turbospec.control.acceptance_estimators import (ESTIMATORS, GlobalEMA, NodeRank, PositionBeta, RequestBeta,
                                                      expected_tokens, make_estimator, outcome_probability)
 from turbospec.control.controller import Candidate, GoodputController, widen_lone_request
-from turbospec.control.goodput import choose_lengths
+from turbospec.control.goodput import Choice, choose_lengths
 from turbospec.control.step_time import LinearPart, StepFeatures, StepSample, StepTimeModel
 
 
@@ -64,7 +65,7 @@ def test_requests_with_different_acceptance_get_different_lengths():
 def test_best_k_falls_as_the_batch_grows():
     """TurboSpec Fig. 9: with a cost that turns compute-bound, the best k shrinks with batch size."""
     def cost(n):  # flat up to 16 tokens, then linear: a memory-bound forward that saturates
-        return lambda sum_k, max_k, _ctx: 0.02 + 0.002 * max(0, n + sum_k - 16)
+        return lambda sum_k, max_k, _ctx: 0.02 + 0.002 * np.maximum(0, n + sum_k - 16)
     ks = [max(choose_lengths([flat(0.7)] * n, [8] * n, cost(n)).ks) for n in (1, 4, 16, 32)]
     assert ks == sorted(ks, reverse=True) and ks[0] > ks[-1] == 0
 
@@ -94,6 +95,49 @@ def test_a_draft_forward_cost_does_not_stop_the_search_early():
         c = linear_cost(1.0, rng.uniform(0.001, 0.1), rng.uniform(0.0, 0.3))(n)
         assert choose_lengths(rates, kmax, c, search_depth=True).goodput == pytest.approx(
             brute_force(rates, kmax, c)[1], rel=1e-9)
+
+
+def test_pricing_every_allocation_at_once_picks_what_pricing_them_one_at_a_time_picks():
+    """At batch 32 the controller prices thousands of allocations a step; it does so on arrays (_best_prefix).
+    That path must choose, to the bit, what the one-at-a-time scan (_greedy, cap by cap) chooses, on a fitted
+    model's shape: hinges and a jump past the base's tokens, tree levels, a per-request switch-on cost, a catch-up
+    (activation) and the step's spare-token cap."""
+    from turbospec.control.goodput import _best_prefix, _draft_order, _greedy
+
+    model = StepTimeModel({
+        "target": LinearPart(("one", "tokens", "jump8", "hinge8", "hinge32", "kv", "attn"),
+                             (0.03, 0.0004, 0.004, 0.0009, 0.002, 1e-7, 2e-7)),
+        "draft": LinearPart(("drafting", "draft_steps", "draft_tokens", "draft_kv", "draft_levels"),
+                            (0.001, 0.006, 0.0003, 1e-7, 0.002)),
+        "overhead": LinearPart(("one", "batch", "spec_tokens"), (0.001, 0.0001, 0.00002)),
+    }, refit_every=10**9)
+    rng = random.Random(7)
+    drafted = 0
+    for _ in range(200):
+        n = rng.choice([2, 5, 12, 32])
+        contexts = [rng.randint(20, 3000) for _ in range(n)]
+        base = StepFeatures()
+        for c in contexts:
+            base.add(c - 1, 1)
+        cost = model.spec_cost(base, tree_levels=rng.choice([0, 4]))
+        k_max = [rng.choice([0, 2, 4, 8]) for _ in range(n)]
+        rates = [[rng.uniform(0.3, 0.999) for _ in range(8)] for _ in range(n)]
+        activation = [rng.choice([0.0, 0.002, 0.05]) for _ in range(n)] if rng.random() < 0.5 else None
+        max_total = rng.choice([None, 3, 17])
+        caps = list(range(1, 9)) if rng.random() < 0.5 else [8]
+        order = _draft_order(rates, k_max)
+        plain = Choice([0] * n, float(n), cost(0, 0, 0))
+        one_at_a_time = plain
+        for cap in caps:
+            c = _greedy(order, n, cap, cost, contexts, max_total, activation)
+            if c.goodput > one_at_a_time.goodput:
+                one_at_a_time = c
+        at_once = _best_prefix(order, n, caps, cost, contexts, max_total, activation)
+        at_once = at_once if at_once.goodput > plain.goodput else plain  # as choose_lengths takes either
+        assert (at_once.ks, at_once.expected_tokens, at_once.predicted_time) == (
+            one_at_a_time.ks, one_at_a_time.expected_tokens, one_at_a_time.predicted_time)
+        drafted += any(at_once.ks)
+    assert 40 < drafted < 160  # both drafting and plain choices were compared
 
 
 def test_budget_cap_limits_total_drafts():

@@ -313,15 +313,17 @@ class StepTimeModel:
                     kinks.append((coef, float(base.tokens - int(name[4:])), True))
                 # drafting_requests: per drafting request, the controller's activation cost (not here)
 
-        def cost(sum_k: int, max_k: int, sum_kctx: int) -> float:
+        # Python operators only, so that it prices an int or an array of allocations alike (choose_lengths prices
+        # many at once); a comparison times a price adds that price where the comparison holds and 0.0 elsewhere
+        def cost(sum_k, max_k, sum_kctx):
             t = const + per_k * sum_k + per_kctx * sum_kctx + per_draft_step * max_k
-            if max_k > 0:
-                t += per_level * min(tree_levels, max_k) + per_drafting
+            if per_level or per_drafting:
+                levels = tree_levels - (tree_levels - max_k) * (max_k < tree_levels)  # min(tree_levels, max_k)
+                t = t + (max_k > 0) * (per_level * levels + per_drafting)
             for coef, past, jump in kinks:
                 x = past + sum_k
-                if x > 0:
-                    t += coef if jump else coef * x
-            return max(t, 1e-6)
+                t = t + (x > 0) * (coef if jump else coef * x)
+            return np.maximum(t, 1e-6) if isinstance(t, np.ndarray) else max(t, 1e-6)
 
         return cost
 
