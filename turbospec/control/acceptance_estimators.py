@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 RATE_FLOOR, RATE_CEIL = 1e-3, 0.999  # keep (1 - a^(k+1)) / (1 - a) finite and never exactly certain
 
@@ -39,6 +39,15 @@ class _Counts:
     def age_towards(self, rate: float, strength: float, decay: float) -> None:
         """No new evidence: drift towards `strength` pseudo-observations at `rate`, at the pace evidence decays."""
         self.add((1 - decay) * strength * rate, (1 - decay) * strength * (1 - rate), decay)
+
+
+@dataclass
+class _RequestEvidence:
+    """One live request's accepted (success) and rejected (failure) drafts: decayed, for its estimate, and in
+    total, for how sure that estimate is (RequestBeta.hopeful_level)."""
+
+    recent: _Counts = field(default_factory=_Counts)
+    total: _Counts = field(default_factory=_Counts)
 
 
 class LevelSpread:
@@ -125,9 +134,8 @@ class RequestBeta(AcceptanceEstimator):
         self.request_decay = request_decay
         self.global_decay = global_decay
         self._global = _Counts(prior * prior_strength, (1 - prior) * prior_strength)
-        self._requests: dict[str, _Counts] = {}
+        self._requests: dict[str, _RequestEvidence] = {}
         # the spread of requests' levels around the global rate, from the requests that finished (hopeful_level)
-        self._totals: dict[str, _Counts] = {}  # each live request's undecayed accepted / rejected drafts
         self._spread = LevelSpread(prior * (1 - prior) / (prior_strength + 1))
         # engine steps in a row without a verification: past `stale_after`, the global evidence ages (end_step)
         self.stale_after = stale_after
@@ -140,8 +148,8 @@ class RequestBeta(AcceptanceEstimator):
         return g.success / (g.success + g.failure)
 
     def request_rate(self, request_id: str) -> float:
-        own = self._requests.get(request_id) or _Counts()
-        return own.rate(self.global_rate, self.prior_strength)
+        own = self._requests.get(request_id)
+        return (own.recent if own else _Counts()).rate(self.global_rate, self.prior_strength)
 
     def rates(self, request_id: str, k: int) -> list[float]:
         return self._rates_at(self.request_rate(request_id), k)
@@ -158,8 +166,9 @@ class RequestBeta(AcceptanceEstimator):
             return
         self._observed = True
         rejected = float(num_accepted < num_draft)
-        self._requests.setdefault(request_id, _Counts()).add(num_accepted, rejected, self.request_decay)
-        self._totals.setdefault(request_id, _Counts()).add(num_accepted, rejected, 1.0)
+        own = self._requests.setdefault(request_id, _RequestEvidence())
+        own.recent.add(num_accepted, rejected, self.request_decay)
+        own.total.add(num_accepted, rejected, 1.0)
         self._global.add(num_accepted, rejected, self.global_decay)
 
     def end_step(self) -> None:
@@ -193,8 +202,8 @@ class RequestBeta(AcceptanceEstimator):
         g = self._global
         n = g.success + g.failure
         m = g.success / n
-        own = self._totals.get(request_id)
-        accepted, seen = (own.success, own.success + own.failure) if own else (0.0, 0.0)
+        own = self._requests.get(request_id)
+        accepted, seen = (own.total.success, own.total.success + own.total.failure) if own else (0.0, 0.0)
         spread = max(self._spread.variance, 1e-6)  # the prior's variance
         noise = max(m * (1.0 - m), 0.01)  # one observation's variance
         precision = 1.0 / spread + seen / noise
@@ -202,10 +211,9 @@ class RequestBeta(AcceptanceEstimator):
         return mean + math.sqrt(1.0 / precision + m * (1.0 - m) / (n + 1.0))
 
     def free(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
-        total = self._totals.pop(request_id, None)
-        if total is not None and total.success + total.failure > 0:
-            self._spread.add(total.success / (total.success + total.failure) - self.global_rate)
+        own = self._requests.pop(request_id, None)
+        if own is not None and own.total.success + own.total.failure > 0:
+            self._spread.add(own.total.success / (own.total.success + own.total.failure) - self.global_rate)
 
 
 class PositionBeta(RequestBeta):
