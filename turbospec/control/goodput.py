@@ -21,8 +21,10 @@ import numpy as np
 # numpy int arrays of one shape and price each entry (choose_lengths prices many allocations in one call).
 StepCost = Callable[[int, int, int], float]
 
-# Allocations (draft tokens x depth caps) up to which choose_lengths prices them one at a time: numpy's fixed cost
-# per call makes the array path slower below this (a lone request), faster above it (several times at batch 32).
+# Allocations (draft tokens x depth caps) up to which choose_lengths prices them one at a time (_greedy): below
+# this numpy's fixed cost per call outweighs a short scan (a lone request; ad hoc timings, not committed). Above
+# it, pricing on arrays (_best_prefix) took the choice at batch 32 on Zen 4 from 0.81% to 0.44% of a decode-only
+# step (benchmarks/results/auto_path_cost/auto_path_cost_zen4.md and its archived scalar run).
 SCALAR_PRICES = 64
 
 
