@@ -31,9 +31,13 @@ def use_source(source: str | Path) -> None:
 
 def run_rounds(script: str, source: Path, baseline: str, rounds: int, worker_args: list[str]) -> dict[str, list[dict]]:
     """Each round runs the baseline's and the current source's worker once, in alternating order."""
-    old = subprocess.run(["git", "show", f"{baseline}:{source}"], capture_output=True, text=True, check=True)
-    tmp = Path(tempfile.mkdtemp(prefix="kernel_ab_")) / source.name
-    tmp.write_text(old.stdout)
+    folder = Path(tempfile.mkdtemp(prefix="kernel_ab_"))
+    # the baseline's source, next to the baseline's headers that it includes from its own folder
+    for path in [source, *(header for header in source.parent.glob("*.h"))]:
+        old = subprocess.run(["git", "show", f"{baseline}:{path}"], capture_output=True, text=True)
+        if old.returncode == 0:
+            (folder / path.name).write_text(old.stdout)
+    tmp = folder / source.name
     variants = {f"baseline ({baseline})": str(tmp), "current": str(source.resolve())}
     results: dict[str, list[dict]] = {name: [] for name in variants}
     for r in range(rounds):

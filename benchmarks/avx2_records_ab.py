@@ -1,0 +1,86 @@
+"""Our AVX2 records kernel (turbospec/kernels/records_avx2.cpp: float32 activations, the `auto` weight format on CPUs
+without AVX-512) against an earlier version of it, alternating.
+
+On such CPUs every packed linear of a GGUF model runs in this kernel on every step: qwen2.5-coder-1.5b's Q4_K
+parts as int4 records, its Q6_K LM head and down projections as int6 records. Each variant is built from its own
+source (with its own revision's headers) and measured in its own process, A/B/A/B..., so that machine drift between
+rounds cannot decide the comparison:
+- the operator alone on the model's largest int4 and int6 shapes, for the row counts of a decode step (1) and of
+  verification windows (3, 5, 9), the weights evicted from the caches before every call, as a decode step reads them;
+- a plain greedy decode step of the engine (auto weights).
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/avx2_records_ab.py [--baseline REV] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from harness import kernel_ab
+from harness.kernel_ab import use_source
+
+ROOT = Path(__file__).resolve().parent
+SOURCE = Path("turbospec/kernels/records_avx2.cpp")
+SHAPES = {  # name: (GGUF type, out features, in features)
+    "gate|up Q4_K (int4)": ("Q4_K", 17920, 1536),
+    "down Q6_K (int6)": ("Q6_K", 1536, 8960),
+    "LM head Q6_K (int6)": ("Q6_K", 151936, 1536),
+}
+ROWS = (1, 3, 5, 9)
+MODEL = "qwen2.5-coder-1.5b"
+
+
+def worker(source: str, threads: int, steps: int) -> dict:
+    """One variant, in this process: build it from `source`, time the operator and the engine's decode step."""
+    import torch
+
+    from turbospec import kernels
+    from turbospec.models import gguf_blocks
+    from turbospec.models.packed import AmxInt4Part, AmxInt6Part
+
+    sys.path.insert(0, str(ROOT.parent / "tests" / "models"))
+    from test_weight_formats import random_blocks  # valid random GGUF blocks
+
+    torch.set_num_threads(threads)
+    use_source(source)  # this variant's records source with the current other kernels
+    if kernels.records_path() != "avx2":
+        raise SystemExit(f"avx2_records_ab.py: the records run on the {kernels.records_path()!r} path here, not "
+                         "AVX2 (TURBOSPEC_CPU_PATH=avx2 forces it on a wider CPU)")
+    flush = torch.ones(2**27)  # a 512 MiB read evicts the weights
+    gen = torch.Generator().manual_seed(0)
+    op: dict[str, float] = {}
+    for name, (type_name, n, k) in SHAPES.items():
+        groups = gguf_blocks.decode(random_blocks(type_name, n, k), type_name, n, k)
+        part = AmxInt4Part.from_groups(groups) if type_name == "Q4_K" else AmxInt6Part.from_groups(groups)
+        for rows in ROWS:
+            x = torch.randn(rows, k, generator=gen).bfloat16()
+            part.mm(x)
+            times = []
+            for _ in range(9):
+                flush.sum()
+                start = time.perf_counter()
+                part.mm(x)
+                times.append(time.perf_counter() - start)
+            op[f"{name}, {rows} rows"] = statistics.median(times) * 1e3
+
+    from turbospec.bench.timing import decode_step_ms
+    from turbospec.config import EngineConfig
+    from turbospec.tuning import build_engine
+
+    engine = build_engine(EngineConfig(MODEL, num_threads=threads), progress=False)
+    step_ms = decode_step_ms(engine, [200], random.Random(0), steps)
+    return {"op_ms": op, "decode_step_ms": {f"{MODEL} plain decode step (engine, auto weights)": step_ms}}
+
+
+def main() -> None:
+    kernel_ab.main(__file__, SOURCE, worker, "AVX2 records kernel (float32 activations): A/B against an earlier "
+                   "version, alternating processes", "bfec15c", "avx2_records_ab", MODEL,
+                   notes=("- ops: weights evicted from the caches before each call; median of 9 calls",))
+
+
+if __name__ == "__main__":
+    main()
