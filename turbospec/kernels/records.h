@@ -49,21 +49,6 @@ TS_AVX2_TARGET inline void halves(const uint8_t* p, __m256* lo, __m256* hi) {
   *hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
 }
 
-// An int6 record's chunk u (inputs 8u .. 8u + 7) as four registers of output words, one per input pair (8u, 8u + 1)
-// .. (8u + 6, 8u + 7): each word holds the pair's two values 0..63 as bytes, the low nibbles from the chunk's two
-// nibble words (as int4's) and the two high bits from its pair word (inputs 8u + 0, 2, 4, 6 at bits 0, 2, 4, 6 of the
-// low byte, 8u + 1, 3, 5, 7 of the high one) moved to bits 4-5.
-TS_AVX2_TARGET inline void int6_pairs(const uint8_t* record, int u, __m256i (&w)[4]) {
-  const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
-  const __m256i n0 = load(record + 64 * u), n1 = load(record + 64 * u + 32), p = load(record + 256 + 32 * u);
-  w[0] = _mm256_or_si256(_mm256_and_si256(n0, nibble), _mm256_and_si256(_mm256_slli_epi16(p, 4), top));
-  w[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n0, 4), nibble),
-                         _mm256_and_si256(_mm256_slli_epi16(p, 2), top));
-  w[2] = _mm256_or_si256(_mm256_and_si256(n1, nibble), _mm256_and_si256(p, top));
-  w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n1, 4), nibble),
-                         _mm256_and_si256(_mm256_srli_epi16(p, 2), top));
-}
-
 // 8 floats to bf16, rounded to nearest even (as records_dpbf16.cpp's store_bf16; no NaN here)
 TS_AVX2_TARGET inline __m128i to_bf16(__m256 v) {
   const __m256i bits = _mm256_castps_si256(v);

@@ -4,20 +4,15 @@
 //
 // Why: without it the packed weights ran torch's int4 kernel, which measured slower on such CPUs than the dense bf16
 // matmul, so the crossover kept most linears dense and a decode step of a 1.5B model read 2.6x the file's bytes.
-// Here each record (16 outputs x 32 inputs) is read once per call and each weight becomes a float32 (exactly) in a
-// lane of 8 outputs for one input, multiplied by that input's broadcast activation in one FMA per row. int4 and
-// int6 values (0..63) become floats without a conversion instruction: `vpshufb` moves each output's byte into bits
-// 16-23 of a 32-bit lane and the exponent bits of 128.0 are or'ed in, giving 128 + v; int8 is sign-extended and
-// converted. Per weight that is two integer instructions and one FMA per row, against five and a conversion for int6
-// in the shift-and-mask form this replaced (a 1.5B Q4_K_M model's int6 parts, its LM head and half its down
-// projections, are a third of the bytes a decode step reads).
+// Here each record (16 outputs x 32 inputs) is read once per call; each 16-bit word of a chunk holds one output's
+// nibbles for an input quad, so a shift and a mask give 8 outputs' weights for one input, converted to float32
+// (exact) and multiplied by that input's broadcast activation in one FMA per row.
 //
 // Per group of inputs (int4: 32, int6 and int8: 16) P = sum of stored value times x, then
-//   int4: y += s * P + (z - 128 s) * sum x     int6: y += s * P - 160 s * sum x     int8: y += s * P
-// (P summed over 128 + q for int4 values q = 0..15 of q s + z, over 128 + u for int6 u = 0..63 of (u - 32) s, over
-// int8 q of q s), `sum x` the group's sum of activations, computed once per call. Each row's sums run in the same
-// order (two chains per 8 outputs, inputs in turn) whatever the call's other rows, so a verification row's result is
-// its decode step's bits.
+//   int4: y += s * P + z * sum x        int6: y += s * P - 32 s * sum x        int8: y += s * P
+// (int4 values q = 0..15 for q s + z, int6 u = 0..63 for (u - 32) s, int8 q signed for q s), `sum x` the group's sum
+// of activations, computed once per call. Each row's sums run in the same order (two chains per 8 outputs, inputs
+// in turn) whatever the call's other rows, so a verification row's result is its decode step's bits.
 //
 // Compiled through function attributes whatever the build's flags; runs where `avx2_records_available()`
 // (records.h: TURBOSPEC_NO_AVX2_RECORDS=1 says no). records_avx2_q8.cpp is the int8-activation variant.
@@ -44,11 +39,30 @@ constexpr int kGroupInputs[3] = {32, 16, 16};
 
 #define UNROLL _Pragma("GCC unroll 16")
 
-// 8 outputs' int8 values for one input: the signed byte at bits SHIFT .. SHIFT + 7 of a zero-extended word, as
-// exact floats
-template <int SHIFT>
-TS_AVX2_TARGET inline __m256 int8_value(__m256i words) {
-  return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(words, 24 - SHIFT), 24));
+// 8 outputs' stored values for one input: (word >> shift) & mask, as exact floats (int8: sign-extended byte)
+template <int KIND, int SHIFT>
+TS_AVX2_TARGET inline __m256 value(__m256i words) {
+  if constexpr (KIND == kInt8) {  // signed byte at bits SHIFT .. SHIFT + 7 of a zero-extended word
+    return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(words, 24 - SHIFT), 24));
+  } else {
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(words, SHIFT), _mm256_set1_epi32(0xF)));
+  }
+}
+
+// int6: an input's two high bits (at bit B of its pair word) moved to bits 4-5
+template <int B>
+TS_AVX2_TARGET inline __m256i high_bits(__m256i pairs) {
+  const __m256i moved = B >= 4 ? _mm256_srli_epi32(pairs, B - 4) : _mm256_slli_epi32(pairs, 4 - B);
+  return _mm256_and_si256(moved, _mm256_set1_epi32(0x30));
+}
+
+// int6: input j of an 8-input chunk (low nibbles in words n[0], n[1]; high bits in `pairs`), as exact floats
+template <int J>
+TS_AVX2_TARGET inline __m256 value6(const __m256i (&n)[2], __m256i pairs) {
+  constexpr int kShift[4] = {0, 8, 4, 12};
+  constexpr int kHigh[8] = {0, 8, 2, 10, 4, 12, 6, 14};  // pair bits of inputs 8u + j
+  const __m256i low = _mm256_and_si256(_mm256_srli_epi32(n[J / 4], kShift[J % 4]), _mm256_set1_epi32(0xF));
+  return _mm256_cvtepi32_ps(_mm256_or_si256(low, high_bits<kHigh[J]>(pairs)));
 }
 
 TS_AVX2_TARGET inline __m256i words(const uint8_t* p) {
@@ -63,54 +77,55 @@ TS_AVX2_TARGET inline void fma_rows(__m256 w, const float* x, int64_t x_stride, 
     acc[i][e][c] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(x + i * x_stride + input), acc[i][e][c]);
 }
 
-// int8 (Q8_0), one record against R rows: out[16 i ..] += its contribution. x: row 0's float32 activations of this
-// record (x_stride between rows). Per group of 16 inputs: y += s * sum q x.
-template <int R>
-TS_AVX2_TARGET inline void int8_record_pass(const uint8_t* record, const float* x, int64_t x_stride, float* out) {
-  UNROLL for (int h = 0; h < 2; ++h) {
+// One record against R rows: out[16 i ..] += its contribution. x: row 0's float32 activations of this record,
+// xsum: row 0's first group sum of this record (x_stride and xsum_stride between rows).
+template <int KIND, int R>
+TS_AVX2_TARGET inline void record_pass(const uint8_t* record, const float* x, int64_t x_stride, const float* xsum,
+                                       int64_t xsum_stride, float* out) {
+  constexpr int kGroups = KIND == kInt4 ? 1 : 2;
+  UNROLL for (int h = 0; h < kGroups; ++h) {
     // both halves of the outputs at once: four FMA chains per row hide the FMA's latency for a single row
     __m256 acc[R][2][2];
     UNROLL for (int i = 0; i < R; ++i)
       UNROLL for (int e = 0; e < 2; ++e) acc[i][e][0] = acc[i][e][1] = _mm256_setzero_ps();
-    UNROLL for (int e = 0; e < 2; ++e)  // outputs 8e .. 8e + 7
-      // chunk pair u: inputs 4u, 4u + 1 (bytes of the first word), 4u + 2, 4u + 3 (of the second)
-      UNROLL for (int u = 4 * h; u < 4 * h + 4; ++u) {
-        const __m256i a = words(record + 64 * u + 16 * e), b = words(record + 64 * u + 32 + 16 * e);
-        fma_rows<R>(int8_value<0>(a), x, x_stride, 4 * u, e, 0, acc);
-        fma_rows<R>(int8_value<8>(a), x, x_stride, 4 * u + 1, e, 1, acc);
-        fma_rows<R>(int8_value<0>(b), x, x_stride, 4 * u + 2, e, 0, acc);
-        fma_rows<R>(int8_value<8>(b), x, x_stride, 4 * u + 3, e, 1, acc);
+    UNROLL for (int e = 0; e < 2; ++e) {  // outputs 8e .. 8e + 7
+      if constexpr (KIND == kInt4) {  // (int4_record_pass)
+      } else if constexpr (KIND == kInt6) {  // chunk u: inputs 8u .. 8u + 7, nibbles as int4's in two words
+        UNROLL for (int u = 2 * h; u < 2 * h + 2; ++u) {
+          const __m256i n[2] = {words(record + 64 * u + 16 * e), words(record + 64 * u + 32 + 16 * e)};
+          const __m256i pairs = words(record + 256 + 32 * u + 16 * e);
+          fma_rows<R>(value6<0>(n, pairs), x, x_stride, 8 * u, e, 0, acc);
+          fma_rows<R>(value6<1>(n, pairs), x, x_stride, 8 * u + 1, e, 1, acc);
+          fma_rows<R>(value6<2>(n, pairs), x, x_stride, 8 * u + 2, e, 0, acc);
+          fma_rows<R>(value6<3>(n, pairs), x, x_stride, 8 * u + 3, e, 1, acc);
+          fma_rows<R>(value6<4>(n, pairs), x, x_stride, 8 * u + 4, e, 0, acc);
+          fma_rows<R>(value6<5>(n, pairs), x, x_stride, 8 * u + 5, e, 1, acc);
+          fma_rows<R>(value6<6>(n, pairs), x, x_stride, 8 * u + 6, e, 0, acc);
+          fma_rows<R>(value6<7>(n, pairs), x, x_stride, 8 * u + 7, e, 1, acc);
+        }
+      } else {  // chunk pair u: inputs 4u, 4u + 1 (bytes of the first word), 4u + 2, 4u + 3 (of the second)
+        UNROLL for (int u = 4 * h; u < 4 * h + 4; ++u) {
+          const __m256i a = words(record + 64 * u + 16 * e), b = words(record + 64 * u + 32 + 16 * e);
+          fma_rows<R>(value<KIND, 0>(a), x, x_stride, 4 * u, e, 0, acc);
+          fma_rows<R>(value<KIND, 8>(a), x, x_stride, 4 * u + 1, e, 1, acc);
+          fma_rows<R>(value<KIND, 0>(b), x, x_stride, 4 * u + 2, e, 0, acc);
+          fma_rows<R>(value<KIND, 8>(b), x, x_stride, 4 * u + 3, e, 1, acc);
+        }
       }
+    }
     UNROLL for (int e = 0; e < 2; ++e) {
-      const uint8_t* scales = record + 512 + 32 * h + 16 * e;
-      const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
+      const uint8_t* scales = record + (KIND == kInt4 ? 256 : KIND == kInt6 ? 384 + 32 * h : 512 + 32 * h);
+      const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16 * e)));
+      __m256 c = _mm256_setzero_ps();
+      if constexpr (KIND == kInt6) c = _mm256_mul_ps(_mm256_set1_ps(-32.f), s);
       UNROLL for (int i = 0; i < R; ++i) {
         __m256 o = _mm256_load_ps(out + 16 * i + 8 * e);
         o = _mm256_fmadd_ps(s, _mm256_add_ps(acc[i][e][0], acc[i][e][1]), o);
+        if constexpr (KIND == kInt6) o = _mm256_fmadd_ps(c, _mm256_set1_ps(xsum[i * xsum_stride + h]), o);
         _mm256_store_ps(out + 16 * i + 8 * e, o);
       }
     }
   }
-}
-
-// vpshufb controls that move one byte per output from a register of 16 output words (each word: an input pair's two
-// bytes) into byte 2 of a 32-bit lane, zeroing the rest: pick[e][b] takes byte b of the words of outputs (0-3, 8-11)
-// for e = 0, (4-7, 12-15) for e = 1 (shuffles stay within 128-bit halves). With the exponent bits 0x43000000 or'ed
-// in, a lane holding value v (0..127) is the float 128 + v exactly.
-alignas(32) constexpr int8_t kPick[2][2][32] = {
-    {{-128, -128, 0, -128, -128, -128, 2, -128, -128, -128, 4, -128, -128, -128, 6, -128,
-      -128, -128, 0, -128, -128, -128, 2, -128, -128, -128, 4, -128, -128, -128, 6, -128},
-     {-128, -128, 1, -128, -128, -128, 3, -128, -128, -128, 5, -128, -128, -128, 7, -128,
-      -128, -128, 1, -128, -128, -128, 3, -128, -128, -128, 5, -128, -128, -128, 7, -128}},
-    {{-128, -128, 8, -128, -128, -128, 10, -128, -128, -128, 12, -128, -128, -128, 14, -128,
-      -128, -128, 8, -128, -128, -128, 10, -128, -128, -128, 12, -128, -128, -128, 14, -128},
-     {-128, -128, 9, -128, -128, -128, 11, -128, -128, -128, 13, -128, -128, -128, 15, -128,
-      -128, -128, 9, -128, -128, -128, 11, -128, -128, -128, 13, -128, -128, -128, 15, -128}}};
-
-// 8 outputs' values of one input as floats 128 + v: byte b of each output word in `pairs`, outputs of half e
-TS_AVX2_TARGET inline __m256 biased(__m256i pairs, int e, int b) {
-  const __m256i pick = _mm256_load_si256(reinterpret_cast<const __m256i*>(kPick[e][b]));
-  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_shuffle_epi8(pairs, pick), _mm256_set1_epi32(0x43000000)));
 }
 
 // int4 (the bulk of a Q4_K_M model's bytes), one record against R rows. A chunk's byte pairs hold each output's input
@@ -122,7 +137,14 @@ TS_AVX2_TARGET inline __m256 biased(__m256i pairs, int e, int b) {
 template <int R>
 TS_AVX2_TARGET inline void int4_record_pass(const uint8_t* record, const float* x, int64_t x_stride, const float* xsum,
                                             int64_t xsum_stride, float* out) {
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i nibble = _mm256_set1_epi8(0x0F), exponent = _mm256_set1_epi32(0x43000000);
+  // byte 2 of lane d takes byte 2d (+ 1: the pair's second input) of the half's first (e = 0) or last four outputs;
+  // -128 zeroes a byte
+  const __m256i ctrl[2][2] = {
+      {_mm256_setr_epi8(-128, -128, 0, -128, -128, -128, 2, -128, -128, -128, 4, -128, -128, -128, 6, -128, -128, -128, 0, -128, -128, -128, 2, -128, -128, -128, 4, -128, -128, -128, 6, -128),
+       _mm256_setr_epi8(-128, -128, 1, -128, -128, -128, 3, -128, -128, -128, 5, -128, -128, -128, 7, -128, -128, -128, 1, -128, -128, -128, 3, -128, -128, -128, 5, -128, -128, -128, 7, -128)},
+      {_mm256_setr_epi8(-128, -128, 8, -128, -128, -128, 10, -128, -128, -128, 12, -128, -128, -128, 14, -128, -128, -128, 8, -128, -128, -128, 10, -128, -128, -128, 12, -128, -128, -128, 14, -128),
+       _mm256_setr_epi8(-128, -128, 9, -128, -128, -128, 11, -128, -128, -128, 13, -128, -128, -128, 15, -128, -128, -128, 9, -128, -128, -128, 11, -128, -128, -128, 13, -128, -128, -128, 15, -128)}};
   __m256 acc[R][2][2];
   UNROLL for (int i = 0; i < R; ++i)
     UNROLL for (int e = 0; e < 2; ++e) acc[i][e][0] = acc[i][e][1] = _mm256_setzero_ps();
@@ -131,7 +153,7 @@ TS_AVX2_TARGET inline void int4_record_pass(const uint8_t* record, const float* 
     const __m256i planes[2] = {_mm256_and_si256(v, nibble), _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble)};
     UNROLL for (int j = 0; j < 4; ++j)  // input 4u + j: plane j / 2, the pair's input j % 2
       UNROLL for (int e = 0; e < 2; ++e)
-        fma_rows<R>(biased(planes[j / 2], e, j % 2),
+        fma_rows<R>(_mm256_castsi256_ps(_mm256_or_si256(_mm256_shuffle_epi8(planes[j / 2], ctrl[e][j % 2]), exponent)),
                     x, x_stride, 4 * u + j, e, j % 2, acc);
   }
   __m256 s_lo, s_hi, z_lo, z_hi;
@@ -145,39 +167,6 @@ TS_AVX2_TARGET inline void int4_record_pass(const uint8_t* record, const float* 
       o = _mm256_fmadd_ps(s, _mm256_add_ps(acc[i][e][0], acc[i][e][1]), o);
       o = _mm256_fmadd_ps(c, _mm256_set1_ps(xsum[i * xsum_stride]), o);
       _mm256_store_ps(out + 16 * i + 8 * e, o);
-    }
-  }
-}
-
-// int6 (Q6_K and Q5_0), one record against R rows: each chunk's values as four registers of output words, one per
-// input pair (records.h: int6_pairs), each moved into floats 128 + u as for int4, outputs in the same (0-3, 8-11),
-// (4-7, 12-15) order. Per group h (16 inputs):
-//   y += s * sum (128 + u) x - 160 s * sum x
-template <int R>
-TS_AVX2_TARGET inline void int6_record_pass(const uint8_t* record, const float* x, int64_t x_stride, const float* xsum,
-                                            int64_t xsum_stride, float* out) {
-  UNROLL for (int h = 0; h < 2; ++h) {
-    __m256 acc[R][2][2];
-    UNROLL for (int i = 0; i < R; ++i)
-      UNROLL for (int e = 0; e < 2; ++e) acc[i][e][0] = acc[i][e][1] = _mm256_setzero_ps();
-    UNROLL for (int u = 2 * h; u < 2 * h + 2; ++u) {  // inputs 8u .. 8u + 7
-      __m256i pairs[4];
-      int6_pairs(record, u, pairs);
-      UNROLL for (int j = 0; j < 8; ++j)  // input 8u + j: pair j / 2, its input j % 2
-        UNROLL for (int e = 0; e < 2; ++e)
-          fma_rows<R>(biased(pairs[j / 2], e, j % 2), x, x_stride, 8 * u + j, e, j % 2, acc);
-    }
-    __m256 s_lo, s_hi;
-    halves(record + 384 + 32 * h, &s_lo, &s_hi);
-    UNROLL for (int e = 0; e < 2; ++e) {
-      const __m256 s = _mm256_permute2f128_ps(s_lo, s_hi, e ? 0x31 : 0x20);
-      const __m256 c = _mm256_mul_ps(_mm256_set1_ps(-160.f), s);
-      UNROLL for (int i = 0; i < R; ++i) {
-        __m256 o = _mm256_load_ps(out + 16 * i + 8 * e);
-        o = _mm256_fmadd_ps(s, _mm256_add_ps(acc[i][e][0], acc[i][e][1]), o);
-        o = _mm256_fmadd_ps(c, _mm256_set1_ps(xsum[i * xsum_stride + h]), o);
-        _mm256_store_ps(out + 16 * i + 8 * e, o);
-      }
     }
   }
 }
@@ -196,14 +185,12 @@ TS_AVX2_TARGET void block_pass(const float* x, int64_t k, const float* xsum, int
       _mm_prefetch(reinterpret_cast<const char*>(record + kPrefetchAhead * kBytes + line), _MM_HINT_T0);
     if constexpr (KIND == kInt4)
       int4_record_pass<R>(record, x + g * kTileK, k, xsum + g, xsum_stride, sums);
-    else if constexpr (KIND == kInt6)
-      int6_record_pass<R>(record, x + g * kTileK, k, xsum + g * kGroupsPerRecord, xsum_stride, sums);
     else
-      int8_record_pass<R>(record, x + g * kTileK, k, sums);
+      record_pass<KIND, R>(record, x + g * kTileK, k, xsum + g * kGroupsPerRecord, xsum_stride, sums);
   }
   UNROLL for (int i = 0; i < R; ++i) {
     __m256 row[2] = {_mm256_load_ps(sums + 16 * i), _mm256_load_ps(sums + 16 * i + 8)};
-    if constexpr (KIND != kInt8) {  // (0-3, 8-11), (4-7, 12-15) -> 0-7, 8-15
+    if constexpr (KIND == kInt4) {  // (0-3, 8-11), (4-7, 12-15) -> 0-7, 8-15
       const __m256 a = row[0], b = row[1];
       row[0] = _mm256_permute2f128_ps(a, b, 0x20);
       row[1] = _mm256_permute2f128_ps(a, b, 0x31);

@@ -118,9 +118,18 @@ TS_AVX2_TARGET inline void group_sums(const uint8_t* record, int h, const uint8_
   } else {
     UNROLL for (int i = 0; i < R; ++i) sum[i][0] = sum[i][1] = _mm256_setzero_si256();
     if constexpr (KIND == kInt6) {
+      const __m256i top = _mm256_set1_epi8(0x30);
       ONE_AT_A_TIME for (int u = 2 * h; u < 2 * h + 2; ++u) {  // inputs 8u .. 8u + 7
-        __m256i w[4];  // input pairs (8u, 8u + 1) .. (8u + 6, 8u + 7)
-        int6_pairs(record, u, w);
+        const __m256i n0 = load(record + 64 * u), n1 = load(record + 64 * u + 32), p = load(record + 256 + 32 * u);
+        // words of input pairs (8u, 8u + 1) .. (8u + 6, 8u + 7): each input's two high bits (pair bits 0, 2, 4, 6 of
+        // each byte: inputs 8u + (0, 2, 4, 6) in the low byte, 8u + (1, 3, 5, 7) in the high one) moved to bits 4-5
+        const __m256i w[4] = {
+            _mm256_or_si256(_mm256_and_si256(n0, nibble), _mm256_and_si256(_mm256_slli_epi16(p, 4), top)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n0, 4), nibble),
+                            _mm256_and_si256(_mm256_slli_epi16(p, 2), top)),
+            _mm256_or_si256(_mm256_and_si256(n1, nibble), _mm256_and_si256(p, top)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n1, 4), nibble),
+                            _mm256_and_si256(_mm256_srli_epi16(p, 2), top))};
         __m256i lo[2], hi[2];  // input quads 8u .. 8u + 3 and 8u + 4 .. 8u + 7
         quads(w[0], w[1], lo);
         quads(w[2], w[3], hi);
