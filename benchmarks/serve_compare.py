@@ -87,7 +87,9 @@ def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) -> None:
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 1200) -> None:
+    """Until the server answers /v1/models. A first start may profile the step time first, which takes minutes on
+    a slow 2-core CPU (it outlasted a 5-minute wait on an AMD EPYC Zen 3), hence the long timeout."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
