@@ -19,37 +19,18 @@ results/avx2_records_ab/avx2_records_ab_zen3_int6_shuffle.md.
 from __future__ import annotations
 
 import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
 from harness import kernel_ab
 from harness.kernel_ab import use_source
+from harness.weights_from_memory import SHAPES, eviction_buffer, median_ms
 
 ROOT = Path(__file__).resolve().parent
 SOURCE = Path("turbospec/kernels/records_avx2.cpp")
-SHAPES = {  # name: (GGUF type, out features, in features)
-    "gate|up Q4_K (int4)": ("Q4_K", 17920, 1536),
-    "down Q6_K (int6)": ("Q6_K", 1536, 8960),
-    "LM head Q6_K (int6)": ("Q6_K", 151936, 1536),
-}
 ROWS = (1, 3, 5, 9)
 MODEL = "qwen2.5-coder-1.5b"
 IN_CACHE_BYTES = 24 * 2**20  # weights this small are also timed left in the caches (no flush)
-
-
-def median_ms(fn, flush) -> float:
-    """Median of 9 calls of `fn`, each after `flush.sum()` (the weights evicted) unless `flush` is None."""
-    fn()
-    times = []
-    for _ in range(9):
-        if flush is not None:
-            flush.sum()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def worker(source: str, threads: int, steps: int) -> dict:
@@ -68,7 +49,7 @@ def worker(source: str, threads: int, steps: int) -> dict:
     if kernels.records_path() != "avx2":
         raise SystemExit(f"avx2_records_ab.py: the records run on the {kernels.records_path()!r} path here, not "
                          "AVX2 (TURBOSPEC_CPU_PATH=avx2 forces it on a wider CPU)")
-    flush = torch.ones(2**27)  # a 512 MiB read evicts the weights
+    flush = eviction_buffer()
     gen = torch.Generator().manual_seed(0)
     op: dict[str, float] = {}
     for name, (type_name, n, k) in SHAPES.items():
@@ -76,9 +57,9 @@ def worker(source: str, threads: int, steps: int) -> dict:
         part = AmxInt4Part.from_groups(groups) if type_name == "Q4_K" else AmxInt6Part.from_groups(groups)
         for rows in ROWS:
             x = torch.randn(rows, k, generator=gen).bfloat16()
-            op[f"{name}, {rows} rows"] = median_ms(lambda: part.mm(x), flush)
+            op[f"{name}, {rows} rows"] = median_ms(lambda: part.mm(x), 9, flush)
             if part.nbytes <= IN_CACHE_BYTES:  # the kernel's arithmetic alone, the floor of its time from memory
-                op[f"{name}, {rows} rows, in cache"] = median_ms(lambda: part.mm(x), None)
+                op[f"{name}, {rows} rows, in cache"] = median_ms(lambda: part.mm(x), 9, None)
 
     from turbospec.bench.timing import decode_step_ms
     from turbospec.config import EngineConfig

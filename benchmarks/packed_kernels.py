@@ -16,11 +16,9 @@ weights do not fit the caches). Median of --repeats calls.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +28,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "tests" / "models"))
 
 from harness import benchmark_meta, default_out, save  # noqa: E402
+from harness.weights_from_memory import SHAPES, eviction_buffer, median_ms  # noqa: E402
 from test_weight_formats import random_blocks  # noqa: E402  (valid random GGUF blocks)
 
 from turbospec import kernels  # noqa: E402
@@ -38,26 +37,7 @@ from turbospec.models.packed import AmxInt4Part, AmxInt6Part, Int4Part, Int8Part
 
 BANDWIDTH_GIB = 1.0
 
-SHAPES = {  # name: (GGUF type, out features, in features)
-    "gate|up Q4_K": ("Q4_K", 17920, 1536),
-    "down Q6_K": ("Q6_K", 1536, 8960),
-    "LM head Q6_K": ("Q6_K", 151936, 1536),
-}
 ROWS = (1, 2, 3, 4, 6, 8, 9, 12, 16, 32, 64, 256)
-
-
-def median_ms(fn: Callable[[], Any], repeats: int, flush: torch.Tensor | None) -> float:
-    """Median time of `fn`; with `flush`, the weights evicted before each call, else left in the caches by the call
-    before (the kernel's arithmetic alone, where they fit)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if flush is not None:
-            flush.sum()  # evict the weights: the call reads them from memory
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -77,7 +57,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     cache = last_level_cache_bytes()
-    flush = torch.ones(2**27)
+    flush = eviction_buffer()
     big = torch.ones(int(BANDWIDTH_GIB * 2**30) // 4)
     stream_ms = min(median_ms(big.sum, 3, flush) for _ in range(3))
     bandwidth = big.nbytes / stream_ms / 1e6

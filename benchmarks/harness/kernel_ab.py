@@ -33,7 +33,7 @@ def run_rounds(script: str, source: Path, baseline: str, rounds: int, worker_arg
     """Each round runs the baseline's and the current source's worker once, in alternating order."""
     folder = Path(tempfile.mkdtemp(prefix="kernel_ab_"))
     # the baseline's source, next to the baseline's headers that it includes from its own folder
-    for path in [source, *(header for header in source.parent.glob("*.h"))]:
+    for path in [source, *source.parent.glob("*.h")]:
         old = subprocess.run(["git", "show", f"{baseline}:{path}"], capture_output=True, text=True)
         if old.returncode == 0:
             (folder / path.name).write_text(old.stdout)
